@@ -1,0 +1,25 @@
+//! The HTTP face of the `idempotency` crate for axum services.
+//!
+//! - [`RequiredKey`] extracts and validates `Idempotency-Key` (400 problem+json when missing or
+//!   malformed, before the handler writes anything).
+//! - [`acquired_or_respond`] turns a refused claim into its answer: the stored response replayed
+//!   byte for byte with `Idempotent-Replayed: true`, 422 for a reused key with another payload,
+//!   409 with `Retry-After` while another request holds the lease.
+//! - [`Problem`] is the RFC 9457 body of every refusal, with a stable `type` per situation
+//!   ([`problem::types`]).
+//!
+//! The statuses follow the IETF draft "The Idempotency-Key HTTP Header Field" (400, 409, 422) and
+//! Stripe (`Idempotent-Replayed`).
+
+#![warn(missing_docs)]
+
+mod extract;
+pub mod problem;
+mod replay;
+
+pub use extract::{RequiredKey, IDEMPOTENCY_KEY, KEY_MISSING_DETAIL};
+pub use problem::{retry_after_seconds, Problem, PROBLEM_JSON};
+pub use replay::{
+    acquired_or_respond, replayed_response, stored_response, IDEMPOTENT_REPLAYED,
+    KEY_IN_FLIGHT_DETAIL, KEY_REUSED_DETAIL,
+};

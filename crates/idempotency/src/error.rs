@@ -1,0 +1,54 @@
+//! The store's error type.
+
+/// Everything the store can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The fenced update matched no row: another worker took the lease over (or the key is gone).
+    /// Everything the phase wrote has been rolled back; the holder must stop.
+    #[error("lease lost on idempotency key {key_id}: token {token} is no longer current")]
+    LeaseLost {
+        /// The key row.
+        key_id: i64,
+        /// The token the holder acquired.
+        token: i64,
+    },
+
+    /// The row's recovery point is not one the application knows: its code and its data disagree.
+    #[error("idempotency key {key_id} is at unknown recovery point {point:?}")]
+    UnknownRecoveryPoint {
+        /// The key row.
+        key_id: i64,
+        /// The stored name.
+        point: String,
+    },
+
+    /// A stored value does not have the shape this crate writes.
+    #[error("idempotency key {key_id} holds a malformed {what}")]
+    Corrupt {
+        /// The key row.
+        key_id: i64,
+        /// Which column.
+        what: &'static str,
+    },
+
+    /// A setting is out of its valid range.
+    #[error("invalid idempotency setting: {0}")]
+    InvalidConfig(String),
+
+    /// The database failed; `context` says what the store was doing.
+    #[error("{context}: {source}")]
+    Database {
+        /// What the store was doing, with the key or user involved.
+        context: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn db(context: impl Into<String>) -> impl FnOnce(sqlx::Error) -> Self {
+        let context = context.into();
+        move |source| Self::Database { context, source }
+    }
+}

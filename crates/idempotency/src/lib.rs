@@ -1,0 +1,67 @@
+//! Stripe-style idempotency keys on PostgreSQL.
+//!
+//! A client sends a request with an `Idempotency-Key`; the network fails; the client sends it
+//! again. This crate makes the second send harmless: it continues the first one where it stopped,
+//! or replays its stored answer, or refuses it when the payload changed. It knows no web
+//! framework; `idempotency-axum` is its HTTP face.
+//!
+//! # The life of a key
+//!
+//! ```text
+//!  claim (one statement) ──► STARTED ──phase──► (app points…) ──phase──► … ──final phase──► FINISHED
+//!     │                        │                     │                                   response stored,
+//!     │                        └──── any failure: nothing of the failing phase is kept;  lease released
+//!     │                              the lease is released (or expires), the recovery
+//!     │                              point stays, and the next claim resumes from it
+//!     └─ refused: Replay (finished, same payload) · Mismatch (other payload) · InFlight (lease held)
+//! ```
+//!
+//! - [`Store::claim`] inserts the key or takes over its lease in one round trip and returns a
+//!   [`Lease`] with a fresh **fencing token**, or tells why not ([`Claim`]).
+//! - [`Store::phase`] opens an **atomic phase**: one transaction whose first statement is the
+//!   update of the key row fenced by that token. If another holder took the lease over since,
+//!   the update matches nothing, the phase fails with [`Error::LeaseLost`] and nothing it would
+//!   have written exists. The business rows written in the phase commit with the new recovery
+//!   point, or not at all.
+//! - Calls to foreign systems (a payment gateway) happen *between* phases, never inside one, with
+//!   a foreign idempotency key derived from [`Lease::key_id`], so a resumed request gets the same
+//!   foreign result instead of a second one.
+//! - [`Store::final_phase`] stores the response and releases the lease in the same transaction;
+//!   later claims of the key get [`Claim::Replay`].
+//! - [`Store::release`] frees the lease after a transient failure, keeping the recovery point.
+//!
+//! Time comes from a [`Clock`], so that tests expire leases by moving time rather than sleeping.
+
+#![warn(missing_docs)]
+
+mod canonical;
+mod clock;
+mod error;
+mod fingerprint;
+mod key;
+mod response;
+mod store;
+
+pub use canonical::canonicalize;
+pub use clock::{Clock, DatabaseClock, ManualClock};
+pub use error::Error;
+pub use fingerprint::Fingerprint;
+pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use response::StoredResponse;
+pub use store::{
+    Claim, FinalPhase, KeyRecord, Lease, NewRequest, Phase, RecoveryPoint, Store, DEFAULT_LEASE_TTL,
+};
+
+/// Creates or updates the crate's table in the database behind `pool`.
+///
+/// The crate's migrations share sqlx's bookkeeping table with the application's own; each set
+/// ignores the other's entries, and the crate's versions sort first, so an application can run
+/// this and then its own migrations, whose tables may reference `idempotency_keys(id)`.
+pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), Error> {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.set_ignore_missing(true);
+    migrator.run(pool).await.map_err(|e| Error::Database {
+        context: "apply the idempotency migrations".to_owned(),
+        source: e.into(),
+    })
+}

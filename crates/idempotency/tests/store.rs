@@ -1,0 +1,310 @@
+//! The store against a real PostgreSQL, one fresh database per test.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency::{
+    Claim, Error, Fingerprint, IdempotencyKey, ManualClock, NewRequest, RecoveryPoint, Store,
+    StoredResponse,
+};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Point {
+    Started,
+    Halfway,
+    Finished,
+}
+
+impl RecoveryPoint for Point {
+    const STARTED: Self = Self::Started;
+    const FINISHED: Self = Self::Finished;
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Halfway => "halfway",
+            Self::Finished => "finished",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        [Self::Started, Self::Halfway, Self::Finished]
+            .into_iter()
+            .find(|p| p.name() == name)
+    }
+}
+
+const TTL: Duration = Duration::from_secs(30);
+
+async fn setup(pool: &PgPool) -> (Store, ManualClock) {
+    idempotency::migrate(pool).await.unwrap();
+    // A business table for the phases to write to.
+    sqlx::query("CREATE TABLE effects (key_id BIGINT NOT NULL, note TEXT NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let clock = ManualClock::starting_now();
+    let store = Store::new(pool.clone(), Arc::new(clock.clone()), TTL).unwrap();
+    (store, clock)
+}
+
+fn key(s: &str) -> IdempotencyKey {
+    IdempotencyKey::parse(s.as_bytes()).unwrap()
+}
+
+fn request<'a>(user_id: i64, key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
+    NewRequest {
+        user_id,
+        method: "POST",
+        route: "/things",
+        key,
+        fingerprint: Fingerprint::of_json("POST", "/things", body),
+        params: body,
+    }
+}
+
+async fn effects(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn acquired(claim: Claim<Point>) -> idempotency::Lease<Point> {
+    match claim {
+        Claim::Acquired(lease) => lease,
+        other => panic!("expected an acquired lease, got {other:?}"),
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn first_claim_inserts_with_token_one_at_started(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    assert_eq!(lease.token(), 1);
+    assert_eq!(lease.attempts(), 1);
+    assert_eq!(lease.recovery_point(), Point::Started);
+    assert_eq!(lease.params(), &body);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_held_lease_refuses_a_second_claim_with_the_time_left(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let _lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    clock.advance(Duration::from_millis(10_500));
+    match store.claim::<Point>(request(1, &k, &body)).await.unwrap() {
+        // 19.5 s left, rounded up.
+        Claim::InFlight { retry_after } => assert_eq!(retry_after, Duration::from_secs(20)),
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_expired_lease_is_taken_over_with_a_new_token(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let first = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    clock.advance(TTL);
+    let second = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    assert_eq!(second.key_id(), first.key_id());
+    assert_eq!(second.token(), first.token() + 1);
+    assert_eq!(second.attempts(), 2);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_released_lease_is_claimable_at_once_and_keeps_its_recovery_point(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    store
+        .phase(&mut lease, Point::Halfway)
+        .await
+        .unwrap()
+        .commit()
+        .await
+        .unwrap();
+    store.release(lease).await.unwrap();
+    let again = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    assert_eq!(again.recovery_point(), Point::Halfway);
+    assert_eq!(again.token(), 2);
+}
+
+#[sqlx::test(migrations = false)]
+async fn another_payload_under_the_same_key_is_a_mismatch(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let k = key("k1");
+    let (a, b) = (json!({"amount": 1}), json!({"amount": 2}));
+    let _lease = acquired(store.claim(request(1, &k, &a)).await.unwrap());
+    assert!(matches!(
+        store.claim::<Point>(request(1, &k, &b)).await.unwrap(),
+        Claim::Mismatch
+    ));
+    // Also once the lease is over: a mismatch never takes a key over.
+    clock.advance(TTL * 2);
+    assert!(matches!(
+        store.claim::<Point>(request(1, &k, &b)).await.unwrap(),
+        Claim::Mismatch
+    ));
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_finished_key_replays_its_stored_response_exactly(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), "application/json".into()),
+            ("location".into(), "/things/7".into()),
+        ],
+        body: b"{ \"id\" : 7 }\n".to_vec(),
+    };
+    store
+        .final_phase(&mut lease)
+        .await
+        .unwrap()
+        .finish(&response)
+        .await
+        .unwrap();
+    assert_eq!(lease.recovery_point(), Point::Finished);
+    match store.claim::<Point>(request(1, &k, &body)).await.unwrap() {
+        Claim::Replay(stored) => assert_eq!(stored, response),
+        other => panic!("expected Replay, got {other:?}"),
+    }
+    let record = store.find(lease.key_id()).await.unwrap().unwrap();
+    assert_eq!(record.locked_until, None);
+    assert!(record.finished_at.is_some());
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_stale_holder_is_fenced_out_and_its_phase_writes_nothing(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut stale = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    clock.advance(TTL + Duration::from_secs(1));
+    let mut current = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+
+    let err = store.phase(&mut stale, Point::Halfway).await.unwrap_err();
+    assert!(matches!(err, Error::LeaseLost { token: 1, .. }), "{err}");
+    assert!(matches!(
+        store.release(stale).await,
+        Err(Error::LeaseLost { .. })
+    ));
+
+    let mut phase = store.phase(&mut current, Point::Halfway).await.unwrap();
+    sqlx::query("INSERT INTO effects VALUES ($1, 'current')")
+        .bind(phase.key_id())
+        .execute(phase.conn())
+        .await
+        .unwrap();
+    phase.commit().await.unwrap();
+    assert_eq!(effects(&pool).await, 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_phase_that_is_not_committed_leaves_neither_rows_nor_progress(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    {
+        let mut phase = store.phase(&mut lease, Point::Halfway).await.unwrap();
+        sqlx::query("INSERT INTO effects VALUES ($1, 'dropped')")
+            .bind(phase.key_id())
+            .execute(phase.conn())
+            .await
+            .unwrap();
+        // Dropped here, as when the process dies mid-phase.
+    }
+    assert_eq!(effects(&pool).await, 0);
+    assert_eq!(lease.recovery_point(), Point::Started);
+    let record = store.find(lease.key_id()).await.unwrap().unwrap();
+    assert_eq!(record.recovery_point, "started");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_claim_during_an_open_phase_waits_and_then_sees_the_extended_lease(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    // The lease is over, but its holder is alive and opens a phase: the fenced update wins the
+    // row lock and extends the lease, so a claimer arriving now must wait and then be refused.
+    clock.advance(TTL + Duration::from_secs(1));
+    let phase = store.phase(&mut lease, Point::Halfway).await.unwrap();
+    let claimer = {
+        let store = store.clone();
+        let (k, body) = (k.clone(), body.clone());
+        tokio::spawn(async move { store.claim::<Point>(request(1, &k, &body)).await })
+    };
+    phase.commit().await.unwrap();
+    match claimer.await.unwrap().unwrap() {
+        Claim::InFlight { .. } => {}
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn concurrent_claims_of_one_key_acquire_exactly_once(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let barrier = Arc::new(tokio::sync::Barrier::new(16));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            let (k, body) = (key("same"), json!({"a": 1}));
+            barrier.wait().await;
+            store.claim::<Point>(request(1, &k, &body)).await.unwrap()
+        }));
+    }
+    let mut acquired = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Claim::Acquired(_) => acquired += 1,
+            Claim::InFlight { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(acquired, 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn keys_are_scoped_by_user_and_route(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("shared"), json!({"a": 1}));
+    let a = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let b = acquired(store.claim(request(2, &k, &body)).await.unwrap());
+    assert_ne!(a.key_id(), b.key_id());
+    let other_route = NewRequest {
+        route: "/others",
+        ..request(1, &k, &body)
+    };
+    let c = acquired(store.claim(other_route).await.unwrap());
+    assert_ne!(a.key_id(), c.key_id());
+}
+
+#[sqlx::test(migrations = false)]
+async fn renewing_extends_a_held_lease_and_fails_for_a_stale_one(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let before = lease.locked_until();
+    clock.advance(Duration::from_secs(20));
+    store.renew(&mut lease).await.unwrap();
+    assert_eq!(lease.locked_until() - before, time::Duration::seconds(20));
+    // 20 s later the original lease would be over, the renewed one is not.
+    clock.advance(Duration::from_secs(20));
+    assert!(matches!(
+        store.claim::<Point>(request(1, &k, &body)).await.unwrap(),
+        Claim::InFlight { .. }
+    ));
+    clock.advance(TTL);
+    let _taken = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    assert!(matches!(
+        store.renew(&mut lease).await,
+        Err(Error::LeaseLost { .. })
+    ));
+}

@@ -1,0 +1,110 @@
+//! The service: its state, its routes, and how it is served.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
+use idempotency::{Clock, Store};
+use sqlx::PgPool;
+use tokio::net::TcpListener;
+
+use crate::config::{GatewayArgs, LeaseArgs};
+use crate::stripe::StripeClient;
+
+/// The largest request body accepted; a ride request is about 120 bytes.
+pub const MAX_BODY_BYTES: usize = 16 * 1024;
+
+/// Everything a handler needs. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    /// The database.
+    pub pool: PgPool,
+    /// The idempotency key store, over the same pool.
+    pub store: Store,
+    /// The payment gateway.
+    pub stripe: StripeClient,
+    /// Crash points armed by tests.
+    #[cfg(feature = "failpoints")]
+    pub failpoints: crate::failpoints::Failpoints,
+}
+
+impl AppState {
+    /// Builds the state from validated settings.
+    pub fn new(
+        pool: PgPool,
+        clock: Arc<dyn Clock>,
+        gateway: &GatewayArgs,
+        lease: &LeaseArgs,
+    ) -> anyhow::Result<Self> {
+        crate::config::validate(gateway, lease).map_err(anyhow::Error::msg)?;
+        let store = Store::new(pool.clone(), clock, lease.lease_ttl)?;
+        let stripe = StripeClient::new(
+            &gateway.stripe_api_base,
+            &gateway.stripe_api_key,
+            gateway.gateway_connect_timeout,
+            gateway.gateway_timeout,
+        )?;
+        Ok(Self {
+            pool,
+            store,
+            stripe,
+            #[cfg(feature = "failpoints")]
+            failpoints: Default::default(),
+        })
+    }
+}
+
+/// The routes.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/rides", post(crate::rides::create))
+        .route("/rides/{id}", get(crate::rides::show))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// Ready when the database answers.
+async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    match sqlx::query("SELECT 1").execute(&state.pool).await {
+        Ok(_) => (http::StatusCode::OK, "ready"),
+        Err(e) => {
+            tracing::warn!(error = %e, "database unreachable");
+            (
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                "database unreachable",
+            )
+        }
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, then drains in-flight requests.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install the SIGTERM handler");
+        tokio::select! {
+            _ = interrupt => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+}

@@ -1,0 +1,183 @@
+//! The command line: `rocket-rides migrate | users create | serve | keys list|show`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use idempotency::{DatabaseClock, Store};
+
+use crate::app::{self, AppState};
+use crate::config::{GatewayArgs, LeaseArgs};
+use crate::stripe::StripeClient;
+
+/// Rocket Rides: book a ride and charge a card, effectively once.
+#[derive(Debug, Parser)]
+#[command(name = "rocket-rides", version)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Args)]
+struct DatabaseArgs {
+    /// PostgreSQL connection URL.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create or update the database tables.
+    Migrate {
+        #[command(flatten)]
+        db: DatabaseArgs,
+    },
+    /// Manage users.
+    Users {
+        #[command(subcommand)]
+        command: UsersCommand,
+    },
+    /// Serve the HTTP API.
+    Serve {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// Address to listen on.
+        #[arg(long, env = "LISTEN", default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+        /// Largest number of database connections.
+        #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = 20)]
+        max_connections: u32,
+        #[command(flatten)]
+        gateway: GatewayArgs,
+        #[command(flatten)]
+        lease: LeaseArgs,
+    },
+    /// Inspect idempotency keys: recovery points, leases, attempts.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum UsersCommand {
+    /// Create a user with a card at the gateway; prints the API key once, as JSON.
+    Create {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// The user's email.
+        #[arg(long)]
+        email: String,
+        /// The card, as a gateway token (tok_visa charges fine, tok_chargeCustomerFail declines).
+        #[arg(long, default_value = "tok_visa")]
+        card: String,
+        #[command(flatten)]
+        gateway: GatewayArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum KeysCommand {
+    /// List keys, newest first, one JSON object per line.
+    List {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// Only keys that have not finished.
+        #[arg(long)]
+        unfinished: bool,
+        /// How many.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+        limit: i64,
+    },
+    /// Show one key as JSON.
+    Show {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// The key row's id.
+        id: i64,
+    },
+}
+
+/// Runs a parsed command line.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Migrate { db } => {
+            let pool = connect(&db, 2).await?;
+            crate::db::migrate(&pool).await.context("migrate")?;
+            eprintln!("migrations applied");
+        }
+        Command::Users {
+            command:
+                UsersCommand::Create {
+                    db,
+                    email,
+                    card,
+                    gateway,
+                },
+        } => {
+            crate::config::validate(&gateway, &LeaseArgs::default()).map_err(anyhow::Error::msg)?;
+            let pool = connect(&db, 2).await?;
+            let stripe = StripeClient::new(
+                &gateway.stripe_api_base,
+                &gateway.stripe_api_key,
+                gateway.gateway_connect_timeout,
+                gateway.gateway_timeout,
+            )?;
+            let user = crate::users::create_user(&pool, &stripe, &email, &card).await?;
+            println!("{}", serde_json::to_string(&user)?);
+        }
+        Command::Serve {
+            db,
+            listen,
+            max_connections,
+            gateway,
+            lease,
+        } => {
+            let pool = connect(&db, max_connections).await?;
+            let state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("listen on {listen}"))?;
+            tracing::info!(address = %listener.local_addr()?, "serving");
+            app::serve(listener, app::router(state), app::shutdown_signal()).await?;
+        }
+        Command::Keys { command } => {
+            let (db, which) = match command {
+                KeysCommand::List {
+                    db,
+                    unfinished,
+                    limit,
+                } => (db, Err((unfinished, limit))),
+                KeysCommand::Show { db, id } => (db, Ok(id)),
+            };
+            let pool = connect(&db, 2).await?;
+            let store = Store::new(
+                pool,
+                Arc::new(DatabaseClock),
+                idempotency::DEFAULT_LEASE_TTL,
+            )?;
+            match which {
+                Ok(id) => {
+                    let key = store
+                        .find(id)
+                        .await?
+                        .with_context(|| format!("no key {id}"))?;
+                    println!("{}", serde_json::to_string_pretty(&key)?);
+                }
+                Err((unfinished, limit)) => {
+                    for key in store.list(unfinished, limit).await? {
+                        println!("{}", serde_json::to_string(&key)?);
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn connect(db: &DatabaseArgs, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
+    crate::db::connect(&db.database_url, max_connections)
+        .await
+        .context("connect to the database (is DATABASE_URL right and PostgreSQL running?)")
+}

@@ -1,0 +1,28 @@
+//! Connecting and migrating.
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+/// How long to wait for a pooled connection before failing the request (a 500, lease released)
+/// rather than queueing without bound when the database is saturated.
+pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Connects to `database_url` with a pool of at most `max_connections`.
+pub async fn connect(database_url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect(database_url)
+        .await
+}
+
+/// Applies the idempotency crate's migrations, then the service's own.
+pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
+    idempotency::migrate(pool).await?;
+    let mut migrator = sqlx::migrate!("./migrations");
+    // The idempotency crate's migrations share sqlx's bookkeeping table.
+    migrator.set_ignore_missing(true);
+    migrator.run(pool).await?;
+    Ok(())
+}

@@ -1,0 +1,23 @@
+//! Rocket Rides: book a ride and charge a card, effectively once.
+//!
+//! | concern | file |
+//! |---|---|
+//! | the phase machine of `POST /rides` | [`booking`] |
+//! | request validation, ride view, handlers | [`rides`] |
+//! | API keys | [`auth`] |
+//! | the Stripe client and its error classes | [`stripe`] |
+//! | errors as problem+json | [`problem`] |
+//! | settings and their relations | [`config`] |
+//! | routes, state, serving | [`app`] |
+
+pub mod app;
+pub mod auth;
+pub mod booking;
+pub mod cli;
+pub mod config;
+pub mod db;
+pub mod failpoints;
+pub mod problem;
+pub mod rides;
+pub mod stripe;
+pub mod users;

@@ -1,0 +1,134 @@
+//! The service's one error type and its problem+json answers.
+//!
+//! Turning an error into a response has no side effects; internal detail is logged here, once,
+//! and never reaches the client's body.
+
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use http::StatusCode;
+use idempotency_axum::Problem;
+use serde_json::json;
+
+use crate::rides::FieldError;
+
+/// The stable `type` of each problem the service answers with (the idempotency ones come from
+/// [`idempotency_axum::problem::types`]).
+pub mod types {
+    /// The body is not JSON (400).
+    pub const BAD_JSON: &str = "urn:problem:rocket-rides:bad-json";
+    /// The body fails validation (400); `errors` lists the fields.
+    pub const VALIDATION: &str = "urn:problem:rocket-rides:validation";
+    /// No or unknown API key (401).
+    pub const UNAUTHORIZED: &str = "urn:problem:rocket-rides:unauthorized";
+    /// The card was declined (402).
+    pub const PAYMENT_DECLINED: &str = "urn:problem:rocket-rides:payment-declined";
+    /// No such resource for this user (404).
+    pub const NOT_FOUND: &str = "urn:problem:rocket-rides:not-found";
+    /// The payment gateway is unavailable; retry (503).
+    pub const GATEWAY_UNAVAILABLE: &str = "urn:problem:rocket-rides:gateway-unavailable";
+    /// The request lost its lease to another worker, which carries on (409).
+    pub const LEASE_LOST: &str = "urn:problem:rocket-rides:lease-lost";
+    /// Something broke on our side (500).
+    pub const INTERNAL: &str = "urn:problem:rocket-rides:internal";
+}
+
+/// How long a client should wait before retrying after the gateway failed.
+///
+/// Short: the lease is released at once, so the retry is not refused; the wait only spares a
+/// gateway that is struggling.
+pub const GATEWAY_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Detail of the 401.
+pub const UNAUTHORIZED_DETAIL: &str = "send a valid API key as `Authorization: Bearer <key>`";
+/// Detail of the 500: deliberately says nothing.
+pub const INTERNAL_DETAIL: &str = "an internal error occurred; the request can be retried";
+
+/// Everything a handler can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The body is not JSON.
+    #[error("body is not JSON: {0}")]
+    BadJson(String),
+    /// The body fails validation.
+    #[error("invalid request body")]
+    Validation(Vec<FieldError>),
+    /// No or unknown API key.
+    #[error("unauthorized")]
+    Unauthorized,
+    /// Not found, or not the caller's.
+    #[error("not found")]
+    NotFound,
+    /// The gateway gave no usable answer.
+    #[error("payment gateway unavailable: {0}")]
+    GatewayUnavailable(String),
+    /// Another worker took the key over while this request ran.
+    #[error("lease lost")]
+    LeaseLost,
+    /// Anything else.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<idempotency::Error> for ApiError {
+    fn from(e: idempotency::Error) -> Self {
+        Self::Internal(e.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let problem = match self {
+            Self::BadJson(why) => {
+                Problem::new(StatusCode::BAD_REQUEST, types::BAD_JSON, "Body is not JSON")
+                    .with_detail(why)
+            }
+            Self::Validation(errors) => {
+                let names: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+                Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    types::VALIDATION,
+                    "Invalid request body",
+                )
+                .with_detail(format!("invalid fields: {}", names.join(", ")))
+                .with_extension("errors", json!(errors))
+            }
+            Self::Unauthorized => Problem::new(
+                StatusCode::UNAUTHORIZED,
+                types::UNAUTHORIZED,
+                "Unauthorized",
+            )
+            .with_detail(UNAUTHORIZED_DETAIL),
+            Self::NotFound => Problem::new(StatusCode::NOT_FOUND, types::NOT_FOUND, "Not found"),
+            Self::GatewayUnavailable(why) => {
+                tracing::warn!(error = %why, "payment gateway unavailable");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    types::GATEWAY_UNAVAILABLE,
+                    "Payment gateway unavailable",
+                )
+                .with_detail(
+                    "the payment could not be confirmed yet; retry with the same Idempotency-Key",
+                )
+                .with_retry_after(GATEWAY_RETRY_AFTER)
+            }
+            Self::LeaseLost => Problem::new(
+                StatusCode::CONFLICT,
+                types::LEASE_LOST,
+                "Request taken over",
+            )
+            .with_detail("another attempt with this Idempotency-Key is completing the request")
+            .with_retry_after(GATEWAY_RETRY_AFTER),
+            Self::Internal(why) => {
+                tracing::error!(error = %why, "internal error");
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    types::INTERNAL,
+                    "Internal error",
+                )
+                .with_detail(INTERNAL_DETAIL)
+            }
+        };
+        problem.into_response()
+    }
+}
