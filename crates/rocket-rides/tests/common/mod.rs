@@ -1,0 +1,211 @@
+//! A running Rocket Rides and a running fakestripe, both on loopback, over one fresh database.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fakestripe::Faults;
+use idempotency::ManualClock;
+use rocket_rides::app::{self, AppState};
+use rocket_rides::config::{GatewayArgs, LeaseArgs};
+use serde_json::Value;
+use sqlx::PgPool;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+/// The lease TTL of the service under test.
+pub const TTL: Duration = Duration::from_secs(30);
+
+/// A ride body as the README shows it.
+pub const RIDE: &str = r#"{"origin_lat": 37.77, "origin_lon": -122.42, "target_lat": 37.80, "target_lon": -122.27, "amount_cents": 2000}"#;
+
+pub struct TestApp {
+    pub base: String,
+    pub pool: PgPool,
+    pub state: AppState,
+    pub clock: ManualClock,
+    pub gateway: fakestripe::AppState,
+    pub http: reqwest::Client,
+    _stop: Vec<oneshot::Sender<()>>,
+}
+
+/// A started server's address and the sender that stops it.
+async fn spawn(router: axum::Router) -> (String, oneshot::Sender<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(app::serve(listener, router, async move {
+        let _ = stopped.await;
+    }));
+    (format!("http://{addr}"), stop)
+}
+
+/// The URL of the database behind `pool`: the server of DATABASE_URL, the test's database.
+async fn url_of(pool: &PgPool) -> String {
+    let name: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set for the tests");
+    let (without_query, query) = match base.split_once('?') {
+        Some((b, q)) => (b.to_owned(), format!("?{q}")),
+        None => (base.clone(), String::new()),
+    };
+    let server = without_query
+        .rsplit_once('/')
+        .map(|(s, _)| s.to_owned())
+        .unwrap();
+    format!("{server}/{name}{query}")
+}
+
+impl TestApp {
+    /// Starts both servers over the test's fresh database.
+    pub async fn start(pool: PgPool) -> Self {
+        Self::start_with(pool, GatewayArgs::default()).await
+    }
+
+    pub async fn start_with(pool: PgPool, mut gateway_args: GatewayArgs) -> Self {
+        rocket_rides::db::migrate(&pool).await.unwrap();
+        let gateway_pool = fakestripe::connect(&url_of(&pool).await).await.unwrap();
+        let gateway = fakestripe::AppState::new(gateway_pool, Faults::default());
+        let (gateway_base, stop_gateway) = spawn(fakestripe::router(gateway.clone())).await;
+
+        gateway_args.stripe_api_base = gateway_base;
+        let clock = ManualClock::starting_now();
+        let state = AppState::new(
+            pool.clone(),
+            Arc::new(clock.clone()),
+            &gateway_args,
+            &LeaseArgs { lease_ttl: TTL },
+        )
+        .unwrap();
+        let (base, stop_api) = spawn(app::router(state.clone())).await;
+        Self {
+            base,
+            pool,
+            state,
+            clock,
+            gateway,
+            http: reqwest::Client::new(),
+            _stop: vec![stop_api, stop_gateway],
+        }
+    }
+
+    /// Creates a user through the same code as `rocket-rides users create`; returns (id, api key).
+    pub async fn user(&self, email: &str, card: &str) -> (i64, String) {
+        let user = rocket_rides::users::create_user(&self.pool, &self.state.stripe, email, card)
+            .await
+            .unwrap();
+        (user.id, user.api_key)
+    }
+
+    /// `POST /rides` with optional API key and idempotency key header values.
+    pub async fn post_ride(&self, api_key: Option<&str>, key: Option<&str>, body: &str) -> Reply {
+        let mut request = self
+            .http
+            .post(format!("{}/rides", self.base))
+            .header("content-type", "application/json")
+            .body(body.to_owned());
+        if let Some(api_key) = api_key {
+            request = request.bearer_auth(api_key);
+        }
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        Reply::from(request.send().await.unwrap()).await
+    }
+
+    pub async fn get(&self, api_key: &str, path: &str) -> Reply {
+        let response = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .bearer_auth(api_key)
+            .send()
+            .await
+            .unwrap();
+        Reply::from(response).await
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
+    }
+
+    pub async fn rides(&self) -> i64 {
+        self.count("SELECT count(*) FROM rides").await
+    }
+
+    pub async fn keys(&self) -> i64 {
+        self.count("SELECT count(*) FROM idempotency_keys").await
+    }
+
+    /// Charges recorded at the gateway.
+    pub async fn charges(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM fakestripe.charges")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    pub fn set_faults(&self, faults: Faults) {
+        self.gateway.set_faults(faults);
+    }
+
+    /// Moves the service's clock past every lease it has granted.
+    pub fn expire_leases(&self) {
+        self.clock.advance(TTL + Duration::from_secs(1));
+    }
+
+    /// The recovery point of the only key of this user.
+    pub async fn recovery_point(&self, user_id: i64) -> String {
+        sqlx::query_scalar("SELECT recovery_point FROM idempotency_keys WHERE user_id = $1")
+            .bind(user_id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+}
+
+/// A response, read whole.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    async fn from(response: reqwest::Response) -> Self {
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = response.bytes().await.unwrap().to_vec();
+        Self {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// The problem `type`, for a problem+json answer.
+    pub fn problem_type(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        self.json()["type"].as_str().unwrap().to_owned()
+    }
+}

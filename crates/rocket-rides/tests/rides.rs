@@ -1,0 +1,463 @@
+//! `POST /rides` end to end: a real Rocket Rides and a real fakestripe on loopback, over a fresh
+//! PostgreSQL database per test.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{TestApp, RIDE};
+use fakestripe::Faults;
+use idempotency::{Claim, Fingerprint, IdempotencyKey, NewRequest};
+use idempotency_axum::problem::types as key_types;
+use rocket_rides::booking::{self, BookingError, RidePoint};
+use rocket_rides::failpoints;
+use rocket_rides::problem::types;
+use rocket_rides::rides::RIDES_ROUTE;
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+const OTHER_AMOUNT: &str = r#"{"origin_lat": 37.77, "origin_lon": -122.42, "target_lat": 37.80, "target_lon": -122.27, "amount_cents": 2500}"#;
+
+async fn app_with_user(pool: PgPool) -> (TestApp, i64, String) {
+    let app = TestApp::start(pool).await;
+    let (id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    (app, id, api_key)
+}
+
+/// Exactly one ride, paid, whose charge exists at the gateway for the same amount.
+async fn assert_one_paid_ride(app: &TestApp) {
+    assert_eq!(app.rides().await, 1, "rides");
+    assert_eq!(app.charges().await, 1, "gateway charges");
+    let matching = app
+        .count(
+            "SELECT count(*) FROM rides r JOIN fakestripe.charges c ON c.id = r.charge_id
+             WHERE r.status = 'paid' AND c.amount = r.amount_cents",
+        )
+        .await;
+    assert_eq!(
+        matching, 1,
+        "the ride is paid by a gateway charge of its amount"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_new_key_books_a_ride_and_charges_once(pool: PgPool) {
+    let (app, _, api_key) = app_with_user(pool).await;
+    let reply = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert!(!reply.replayed());
+    let ride = reply.json();
+    assert_eq!(
+        reply.header("location"),
+        Some(format!("/rides/{}", ride["ride_id"]).as_str())
+    );
+    assert_eq!(ride["amount_cents"], 2000);
+    assert!(ride["charge_id"].as_str().unwrap().starts_with("ch_"));
+    assert_one_paid_ride(&app).await;
+    // The receipt job was staged with the final phase.
+    assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 1);
+    let audit = app
+        .count(
+            "SELECT count(*) FROM audit_records WHERE action IN ('ride.created', 'ride.charged')",
+        )
+        .await;
+    assert_eq!(audit, 2);
+}
+
+#[sqlx::test(migrations = false)]
+async fn replay_returns_stored_status_headers_and_body_byte_for_byte(pool: PgPool) {
+    let (app, _, api_key) = app_with_user(pool).await;
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    let again = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(again.status, 201);
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("location"), first.header("location"));
+    assert_eq!(again.header("content-type"), Some("application/json"));
+    assert_one_paid_ride(&app).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn same_json_with_other_key_order_and_whitespace_replays(pool: PgPool) {
+    let (app, _, api_key) = app_with_user(pool).await;
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    let reordered = "{\n  \"amount_cents\" : 2000.0, \"target_lon\": -122.27,\"target_lat\":37.80,\n \"origin_lon\": -122.42, \"origin_lat\": 37.77 }";
+    let again = app
+        .post_ride(Some(&api_key), Some("\"k-1\""), reordered)
+        .await;
+    assert_eq!(again.status, 201);
+    assert!(
+        again.replayed(),
+        "the quoted key and the reordered body are the same request"
+    );
+    assert_eq!(again.body, first.body);
+}
+
+#[sqlx::test(migrations = false)]
+async fn another_amount_under_the_same_key_is_refused_with_422_and_changes_nothing(pool: PgPool) {
+    let (app, _, api_key) = app_with_user(pool).await;
+    app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    let reply = app
+        .post_ride(Some(&api_key), Some("k-1"), OTHER_AMOUNT)
+        .await;
+    assert_eq!(reply.status, 422);
+    assert_eq!(reply.problem_type(), key_types::KEY_REUSED);
+    assert_one_paid_ride(&app).await;
+    assert_eq!(app.keys().await, 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_same_key_from_two_users_books_two_rides_and_each_sees_only_their_own(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, alice) = app.user("alice@example.com", "tok_visa").await;
+    let (_, bob) = app.user("bob@example.com", "tok_visa").await;
+    let a = app.post_ride(Some(&alice), Some("shared-key"), RIDE).await;
+    let b = app.post_ride(Some(&bob), Some("shared-key"), RIDE).await;
+    assert_eq!((a.status, b.status), (201, 201));
+    assert!(!b.replayed());
+    assert_ne!(a.json()["ride_id"], b.json()["ride_id"]);
+    assert_eq!(app.rides().await, 2);
+    assert_eq!(app.charges().await, 2);
+
+    let location = a.header("location").unwrap();
+    let own = app.get(&alice, location).await;
+    assert_eq!(own.status, 200);
+    assert_eq!(own.json()["ride_id"], a.json()["ride_id"]);
+    let foreign = app.get(&bob, location).await;
+    assert_eq!(foreign.status, 404);
+    assert_eq!(foreign.problem_type(), types::NOT_FOUND);
+    assert_eq!(app.get(&alice, "/rides/999999").await.status, 404);
+    assert_eq!(app.get(&alice, "/rides/not-a-number").await.status, 404);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_missing_or_malformed_key_is_400_and_writes_nothing(pool: PgPool) {
+    let (app, _, api_key) = app_with_user(pool).await;
+    let missing = app.post_ride(Some(&api_key), None, RIDE).await;
+    assert_eq!(missing.status, 400);
+    assert_eq!(missing.problem_type(), key_types::KEY_MISSING);
+    let too_long = "k".repeat(256);
+    for bad in ["", "\"unterminated", "has space", too_long.as_str()] {
+        let reply = app.post_ride(Some(&api_key), Some(bad), RIDE).await;
+        assert_eq!(reply.status, 400, "key {bad:?}");
+        assert_eq!(reply.problem_type(), key_types::KEY_INVALID);
+    }
+    assert_eq!(app.keys().await, 0);
+    assert_eq!(app.rides().await, 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn bad_json_or_out_of_range_fields_are_400_naming_the_field_and_write_no_key(pool: PgPool) {
+    let (app, _, api_key) = app_with_user(pool).await;
+    let not_json = app
+        .post_ride(Some(&api_key), Some("k-1"), "{not json")
+        .await;
+    assert_eq!(not_json.status, 400);
+    assert_eq!(not_json.problem_type(), types::BAD_JSON);
+
+    let out_of_range = r#"{"origin_lat": 91, "origin_lon": -122.42, "target_lat": 37.80, "target_lon": -181, "amount_cents": 10}"#;
+    let reply = app
+        .post_ride(Some(&api_key), Some("k-1"), out_of_range)
+        .await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(reply.problem_type(), types::VALIDATION);
+    let fields: Vec<Value> = reply.json()["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["field"].clone())
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            json!("origin_lat"),
+            json!("target_lon"),
+            json!("amount_cents")
+        ]
+    );
+
+    let missing_field = r#"{"origin_lat": 1, "origin_lon": 1, "target_lat": 1, "target_lon": 1}"#;
+    let reply = app
+        .post_ride(Some(&api_key), Some("k-1"), missing_field)
+        .await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(reply.json()["errors"][0]["field"], "amount_cents");
+
+    assert_eq!(app.keys().await, 0, "no key row for bad input");
+    // The key is still free for a good request.
+    assert_eq!(
+        app.post_ride(Some(&api_key), Some("k-1"), RIDE)
+            .await
+            .status,
+        201
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_missing_or_unknown_api_key_is_401(pool: PgPool) {
+    let (app, _, _) = app_with_user(pool).await;
+    let none = app.post_ride(None, Some("k-1"), RIDE).await;
+    assert_eq!(none.status, 401);
+    assert_eq!(none.problem_type(), types::UNAUTHORIZED);
+    let unknown = app.post_ride(Some("rr_test_0000"), Some("k-1"), RIDE).await;
+    assert_eq!(unknown.status, 401);
+    assert_eq!(app.keys().await, 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn sixteen_concurrent_requests_with_one_key_make_one_ride_and_one_charge(pool: PgPool) {
+    let (app, _, api_key) = app_with_user(pool).await;
+    let app = Arc::new(app);
+    let barrier = Arc::new(tokio::sync::Barrier::new(16));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (app, api_key, barrier) = (app.clone(), api_key.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            app.post_ride(Some(&api_key), Some("race"), RIDE).await
+        }));
+    }
+    let mut first = Vec::new();
+    for task in tasks {
+        let reply = task.await.unwrap();
+        match reply.status {
+            201 if !reply.replayed() => first.push(reply),
+            201 => {}
+            409 => {
+                assert_eq!(reply.problem_type(), key_types::KEY_IN_FLIGHT);
+                let after: u64 = reply.header("retry-after").unwrap().parse().unwrap();
+                assert!((1..=30).contains(&after), "Retry-After {after}");
+            }
+            other => panic!("unexpected {other}: {reply:?}"),
+        }
+    }
+    assert_eq!(first.len(), 1, "exactly one request did the work");
+    assert_one_paid_ride(&app).await;
+    // Every replay of the winner is the winner's answer.
+    let replay = app.post_ride(Some(&api_key), Some("race"), RIDE).await;
+    assert_eq!(replay.body, first[0].body);
+}
+
+/// A request that dies right after `point` leaves the key at `expected`; the client's retry is
+/// refused while the dead request's lease lasts, then resumes and finishes with one charge.
+async fn crash_then_resume(pool: PgPool, point: &'static str, expected: &str) {
+    let (app, user_id, api_key) = app_with_user(pool).await;
+    app.state.failpoints.arm(point);
+    let crashed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(crashed.status, 500);
+    assert_eq!(app.recovery_point(user_id).await, expected);
+
+    let early = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(early.status, 409, "the dead request's lease still holds");
+    assert!(early.header("retry-after").is_some());
+
+    app.expire_leases();
+    let resumed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(resumed.status, 201, "{resumed:?}");
+    assert_one_paid_ride(&app).await;
+    assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 1);
+    let replay = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, resumed.body);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_request_that_died_after_creating_the_ride_is_resumed_by_a_retry(pool: PgPool) {
+    crash_then_resume(pool, failpoints::AFTER_RIDE_CREATED, "ride_created").await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_request_that_died_after_the_gateway_charged_gets_that_charge_on_retry(pool: PgPool) {
+    crash_then_resume(pool, failpoints::AFTER_GATEWAY_CHARGE, "ride_created").await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_request_that_died_after_recording_the_charge_is_resumed_by_a_retry(pool: PgPool) {
+    crash_then_resume(pool, failpoints::AFTER_CHARGE_CREATED, "charge_created").await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_request_that_died_after_finishing_is_replayed_without_waiting(pool: PgPool) {
+    let (app, user_id, api_key) = app_with_user(pool).await;
+    app.state.failpoints.arm(failpoints::AFTER_FINISHED);
+    let crashed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(crashed.status, 500);
+    assert_eq!(app.recovery_point(user_id).await, "finished");
+    // The response was stored with the final phase: the retry replays it at once.
+    let retry = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed());
+    assert_one_paid_ride(&app).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: PgPool) {
+    let (app, user_id, api_key) = app_with_user(pool).await;
+    let key = IdempotencyKey::parse(b"k-1").unwrap();
+    let body: Value = serde_json::from_str(RIDE).unwrap();
+    let params =
+        serde_json::to_value(rocket_rides::rides::RideRequest::validate(&body).unwrap()).unwrap();
+    let request = NewRequest {
+        user_id,
+        method: "POST",
+        route: RIDES_ROUTE,
+        key: &key,
+        fingerprint: Fingerprint::of_json("POST", RIDES_ROUTE, &body),
+        params: &params,
+    };
+    // A claims and stalls (a long GC pause, a partitioned host) until its lease expires.
+    let Claim::Acquired(mut stale) = app.state.store.claim::<RidePoint>(request).await.unwrap()
+    else {
+        panic!("A should acquire");
+    };
+    app.expire_leases();
+    // B, the client's retry, takes the key over and finishes.
+    let b = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(b.status, 201);
+    // A wakes up and runs its phases: the first fenced update refuses it.
+    let err = booking::run(&app.state, &mut stale).await.unwrap_err();
+    assert!(matches!(err, BookingError::LeaseLost(_)), "{err}");
+    assert_one_paid_ride(&app).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_declined_card_is_a_stored_402_that_replays(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app
+        .user("broke@example.com", "tok_chargeCustomerFail")
+        .await;
+    let declined = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(declined.status, 402, "{declined:?}");
+    assert_eq!(declined.problem_type(), types::PAYMENT_DECLINED);
+    assert_eq!(declined.json()["decline_code"], "card_declined");
+    let again = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(again.status, 402);
+    assert!(again.replayed());
+    assert_eq!(again.body, declined.body);
+    assert_eq!(app.charges().await, 0);
+    assert_eq!(
+        app.count("SELECT count(*) FROM rides WHERE status = 'declined'")
+            .await,
+        1
+    );
+    assert_eq!(
+        app.count("SELECT count(*) FROM staged_jobs").await,
+        0,
+        "no receipt for a decline"
+    );
+}
+
+/// The gateway fails once in `faults`' way; the client gets 503 with `Retry-After`, the key keeps
+/// its recovery point with a free lease, and the immediate retry finishes with one charge.
+async fn transient_then_success(pool: PgPool, faults: Faults) {
+    let (app, user_id, api_key) = app_with_user(pool).await;
+    app.set_faults(faults);
+    let failed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(failed.status, 503, "{failed:?}");
+    assert_eq!(failed.problem_type(), types::GATEWAY_UNAVAILABLE);
+    assert_eq!(failed.header("retry-after"), Some("1"));
+    assert_eq!(app.recovery_point(user_id).await, "ride_created");
+    let free = app
+        .count("SELECT count(*) FROM idempotency_keys WHERE locked_until IS NULL")
+        .await;
+    assert_eq!(free, 1, "the lease was released");
+
+    app.set_faults(Faults::default());
+    let retry = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_one_paid_ride(&app).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_gateway_error_before_charging_is_a_503_and_the_retry_charges_once(pool: PgPool) {
+    transient_then_success(
+        pool,
+        Faults {
+            fail_before_charge: 1.0,
+            ..Faults::default()
+        },
+    )
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn charged_then_500_is_a_503_and_the_retry_gets_the_same_charge(pool: PgPool) {
+    transient_then_success(
+        pool,
+        Faults {
+            fail_after_charge: 1.0,
+            ..Faults::default()
+        },
+    )
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn charged_then_dropped_connection_is_a_503_and_the_retry_gets_the_same_charge(pool: PgPool) {
+    transient_then_success(
+        pool,
+        Faults {
+            drop_after_charge: 1.0,
+            ..Faults::default()
+        },
+    )
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_gateway_409_in_flight_is_a_503_and_the_retry_charges_once(pool: PgPool) {
+    transient_then_success(
+        pool,
+        Faults {
+            conflict_in_flight: 1.0,
+            ..Faults::default()
+        },
+    )
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_unreachable_gateway_is_a_503_and_the_retry_charges_once(pool: PgPool) {
+    let (app, user_id, api_key) = app_with_user(pool).await;
+    // A second service whose gateway address refuses connections (nothing listens there).
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let gateway = rocket_rides::config::GatewayArgs {
+        stripe_api_base: dead,
+        ..Default::default()
+    };
+    let broken = rocket_rides::app::AppState::new(
+        app.pool.clone(),
+        Arc::new(app.clock.clone()),
+        &gateway,
+        &rocket_rides::config::LeaseArgs {
+            lease_ttl: common::TTL,
+        },
+    )
+    .unwrap();
+    let router = rocket_rides::app::router(broken);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(rocket_rides::app::serve(
+        listener,
+        router,
+        std::future::pending(),
+    ));
+
+    let failed = app
+        .http
+        .post(format!("{base}/rides"))
+        .bearer_auth(&api_key)
+        .header("idempotency-key", "k-1")
+        .body(RIDE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), 503);
+    assert_eq!(app.recovery_point(user_id).await, "ride_created");
+    let retry = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(retry.status, 201);
+    assert_one_paid_ride(&app).await;
+}
