@@ -53,6 +53,9 @@ fn build(stored: &StoredResponse, replayed: bool) -> Response {
 }
 
 /// Turns a claim into a lease to run, or into the response that answers a refused claim.
+// The error is the HTTP response itself, built once per request and returned straight to axum,
+// as axum's own extractors do; boxing it would only add an allocation.
+#[allow(clippy::result_large_err)]
 pub fn acquired_or_respond<P: RecoveryPoint>(claim: Claim<P>) -> Result<Lease<P>, Response> {
     match claim {
         Claim::Acquired(lease) => Ok(lease),

@@ -30,6 +30,8 @@ CREATE TABLE idempotency_keys (
     lease_token     BIGINT      NOT NULL DEFAULT 1 CHECK (lease_token > 0),
     -- How many times the lease was acquired (first request, retries, completer runs).
     attempts        INTEGER     NOT NULL DEFAULT 1 CHECK (attempts > 0),
+    -- The completer's backoff: it leaves the key alone until then. A client's own retry ignores it.
+    next_attempt_at TIMESTAMPTZ,
 
     -- The stored final response, replayed byte for byte.
     response_status  SMALLINT   CHECK (response_status BETWEEN 100 AND 599),

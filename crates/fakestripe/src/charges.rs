@@ -1,0 +1,269 @@
+//! Charges: `POST /v1/charges`, `GET /v1/charges/{id}`, `GET /v1/charges`, and the one place
+//! where faults are injected.
+//!
+//! A charge request goes through [`crate::faults`]' points around the idempotent run of
+//! [`crate::idempotent`]; see those modules for the order of events.
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use http::HeaderMap;
+use http_body_util::{Full, Limited};
+use serde_json::{json, Value};
+use time::OffsetDateTime;
+
+use crate::api_error::ApiError;
+use crate::app::{run_detached, AppState};
+use crate::auth::Account;
+use crate::customers::MAX_DESCRIPTION_LEN;
+use crate::db::{self, Cursor, NewCharge, Page};
+use crate::faults::{AfterCharge, FaultKind};
+use crate::idempotent::{self, Begun, Operation};
+use crate::messages;
+use crate::params::{self, FormBody, QueryParams};
+
+/// The route, as the idempotency key's scope and fingerprint name it.
+pub(crate) const ROUTE: &str = "/v1/charges";
+
+/// The largest amount, in the currency's smallest unit: Stripe allows eight digits.
+pub const MAX_AMOUNT: i64 = 99_999_999;
+
+/// The smallest `usd` amount, in cents, as Stripe requires.
+pub const MIN_USD_AMOUNT: i64 = 50;
+
+/// The page size of `GET /v1/charges` without `limit`.
+pub(crate) const DEFAULT_LIMIT: i64 = 10;
+
+/// The largest `limit`.
+pub(crate) const MAX_LIMIT: i64 = 100;
+
+/// A successful charge, as stored. Serialized by [`Charge::to_json`] as Stripe's charge object.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Charge {
+    /// `ch_…`.
+    pub id: String,
+    /// The account (secret key) that made it.
+    pub account_id: i64,
+    /// The customer charged, `cus_…`.
+    pub customer: String,
+    /// In the currency's smallest unit.
+    pub amount: i64,
+    /// Three lowercase letters.
+    pub currency: String,
+    /// Free text, if given.
+    pub description: Option<String>,
+    /// String values under string keys.
+    pub metadata: Value,
+    /// Always `succeeded`: declined charges are not stored.
+    pub status: String,
+    /// The idempotency key whose request made it, while that key is kept.
+    pub idempotency_key_id: Option<i64>,
+    /// When it was committed.
+    pub created: OffsetDateTime,
+}
+
+impl Charge {
+    /// Stripe's charge object.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "id": self.id,
+            "object": "charge",
+            "amount": self.amount,
+            "amount_captured": self.amount,
+            "amount_refunded": 0,
+            "captured": true,
+            "created": self.created.unix_timestamp(),
+            "currency": self.currency,
+            "customer": self.customer,
+            "description": self.description,
+            "failure_code": null,
+            "failure_message": null,
+            "livemode": false,
+            "metadata": self.metadata,
+            "paid": true,
+            "refunded": false,
+            "status": self.status,
+        })
+    }
+}
+
+/// `POST /v1/charges` (`amount`, `currency`, `customer`, `description`, `metadata[…]`).
+pub(crate) async fn create(
+    State(state): State<AppState>,
+    account: Account,
+    headers: HeaderMap,
+    FormBody(params): FormBody,
+) -> Result<Response, ApiError> {
+    let key = idempotent::key_from_headers(&headers)?;
+    let charge = parse_new_charge(&params)?;
+    // An unknown customer is bad input like any other: refused before the key is claimed.
+    let customer = db::find_customer(state.pool(), account.id, &charge.customer_id)
+        .await?
+        .ok_or_else(|| ApiError::no_such_param("customer", &charge.customer_id, "customer"))?;
+
+    let plan = state.plan_faults();
+    if plan.conflict_in_flight {
+        state.record_fault(FaultKind::ConflictInFlight);
+        return Err(ApiError::idempotency_key_in_use());
+    }
+    if plan.fail_before_charge {
+        state.record_fault(FaultKind::FailBeforeCharge);
+        return Err(ApiError::server_error());
+    }
+
+    let params = Value::Object(params);
+    run_detached(async move {
+        let lease =
+            match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await? {
+                Begun::Run(lease) => lease,
+                Begun::Answer(response) => return Ok(response),
+            };
+        if !plan.delay.is_zero() {
+            state.record_fault(FaultKind::Latency);
+            tokio::time::sleep(plan.delay).await;
+        }
+        let op = Operation::CreateCharge { customer, charge };
+        let outcome = idempotent::complete(&state, account.id, lease, &op).await?;
+        if outcome.charged {
+            match plan.after_charge {
+                AfterCharge::Respond => {}
+                AfterCharge::Fail => {
+                    state.record_fault(FaultKind::FailAfterCharge);
+                    return Err(ApiError::server_error());
+                }
+                AfterCharge::Drop => {
+                    state.record_fault(FaultKind::DropAfterCharge);
+                    return Ok(aborted_response());
+                }
+            }
+        }
+        Ok(idempotency_axum::stored_response(&outcome.response))
+    })
+    .await
+}
+
+/// A response that never arrives: its body fails on the first read, and hyper then closes the
+/// connection before flushing anything, so the client sees the connection end without a
+/// response (a transport error, as when a network drops a gateway's answer).
+///
+/// The failing body is two bytes behind a one-byte limit: `Limited` refuses it on its first
+/// poll, and no custom body type is needed. (A zero-byte limit would not do: hyper would see an
+/// empty body and never poll it.)
+fn aborted_response() -> Response {
+    let body = Limited::new(Full::new(Bytes::from_static(b"xx")), 1);
+    Response::new(Body::new(body))
+}
+
+fn parse_new_charge(params: &params::Params) -> Result<NewCharge, ApiError> {
+    params::reject_unknown(
+        params,
+        &["amount", "currency", "customer", "description", "metadata"],
+    )?;
+    let amount = match params::optional_integer(params, "amount")? {
+        None => return Err(ApiError::missing("amount")),
+        Some(amount) if amount <= 0 => {
+            return Err(ApiError::invalid_code(
+                "amount",
+                "parameter_invalid_integer",
+                messages::INVALID_POSITIVE_INTEGER,
+            ))
+        }
+        Some(amount) if amount > MAX_AMOUNT => {
+            return Err(ApiError::invalid_code(
+                "amount",
+                "amount_too_large",
+                format!("Amount must be no more than {MAX_AMOUNT}"),
+            ))
+        }
+        Some(amount) => amount,
+    };
+    let currency = params::required_string(params, "currency", 255)?.to_ascii_lowercase();
+    if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_lowercase()) {
+        return Err(ApiError::invalid(
+            "currency",
+            format!("Invalid currency: {currency}"),
+        ));
+    }
+    if currency == "usd" && amount < MIN_USD_AMOUNT {
+        return Err(ApiError::invalid_code(
+            "amount",
+            "amount_too_small",
+            "Amount must be at least $0.50 usd",
+        ));
+    }
+    let customer_id = params::required_string(params, "customer", 255)?;
+    let description = params::optional_string(params, "description", MAX_DESCRIPTION_LEN)?;
+    let metadata = params::metadata(params)?;
+    Ok(NewCharge {
+        customer_id,
+        amount,
+        currency,
+        description,
+        metadata,
+    })
+}
+
+/// `GET /v1/charges/{id}`.
+pub(crate) async fn retrieve(
+    State(state): State<AppState>,
+    account: Account,
+    Path(id): Path<String>,
+) -> Result<axum::Json<Value>, ApiError> {
+    match db::find_charge(state.pool(), account.id, &id).await? {
+        Some(charge) => Ok(axum::Json(charge.to_json())),
+        None => Err(ApiError::not_found("charge", &id)),
+    }
+}
+
+/// `GET /v1/charges` (`limit`, `starting_after`, `ending_before`, `customer`): a list object,
+/// newest first.
+pub(crate) async fn list(
+    State(state): State<AppState>,
+    account: Account,
+    QueryParams(params): QueryParams,
+) -> Result<Response, ApiError> {
+    params::reject_unknown(
+        &params,
+        &["customer", "ending_before", "limit", "starting_after"],
+    )?;
+    let limit = params::optional_integer(&params, "limit")?.unwrap_or(DEFAULT_LIMIT);
+    if !(1..=MAX_LIMIT).contains(&limit) {
+        return Err(ApiError::invalid_code(
+            "limit",
+            "parameter_invalid_integer",
+            messages::LIMIT_OUT_OF_RANGE,
+        ));
+    }
+    let after = params::optional_string(&params, "starting_after", 255)?;
+    let before = params::optional_string(&params, "ending_before", 255)?;
+    let (cursor, cursor_param) = match (after, before) {
+        (Some(_), Some(_)) => return Err(ApiError::bad_request(messages::ONE_CURSOR_ONLY)),
+        (Some(id), None) => (Cursor::After(id), "starting_after"),
+        (None, Some(id)) => (Cursor::Before(id), "ending_before"),
+        (None, None) => (Cursor::Newest, ""),
+    };
+    let customer = params::optional_string(&params, "customer", 255)?;
+    let page = db::list_charges(
+        state.pool(),
+        account.id,
+        customer.as_deref(),
+        &cursor,
+        limit,
+    )
+    .await?;
+    let (charges, has_more) = match page {
+        Page::Found { charges, has_more } => (charges, has_more),
+        Page::NoSuchCursor => {
+            let id = cursor.id().unwrap_or_default();
+            return Err(ApiError::no_such_param("charge", id, cursor_param));
+        }
+    };
+    let data: Vec<Value> = charges.iter().map(Charge::to_json).collect();
+    Ok(axum::Json(json!({
+        "object": "list",
+        "data": data,
+        "has_more": has_more,
+        "url": ROUTE,
+    }))
+    .into_response())
+}

@@ -1,0 +1,146 @@
+//! Customers: `POST /v1/customers` and `GET /v1/customers/{id}`.
+//!
+//! A customer carries at most one test card, given as a Stripe test token in `source`; the
+//! token decides the fate of every charge of the customer.
+
+use axum::extract::{Path, State};
+use axum::response::Response;
+use http::HeaderMap;
+use serde_json::{json, Value};
+use time::OffsetDateTime;
+
+use crate::api_error::ApiError;
+use crate::app::{run_detached, AppState};
+use crate::auth::Account;
+use crate::db::{self, NewCustomer};
+use crate::idempotent::{self, Begun, Operation};
+use crate::params::{self, FormBody};
+
+/// The route, as the idempotency key's scope and fingerprint name it.
+pub(crate) const ROUTE: &str = "/v1/customers";
+
+/// The longest email accepted, as Stripe allows.
+pub(crate) const MAX_EMAIL_LEN: usize = 512;
+
+/// The longest description accepted.
+pub(crate) const MAX_DESCRIPTION_LEN: usize = 1000;
+
+/// The test tokens a customer's `source` may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// `tok_visa`: every charge succeeds.
+    Visa,
+    /// `tok_chargeCustomerFail`: the card attaches, every charge is declined.
+    ChargeCustomerFail,
+}
+
+impl Source {
+    /// The token, as sent and stored.
+    pub(crate) fn token(self) -> &'static str {
+        match self {
+            Source::Visa => "tok_visa",
+            Source::ChargeCustomerFail => "tok_chargeCustomerFail",
+        }
+    }
+
+    /// The source of a token, if the gateway knows it.
+    pub(crate) fn from_token(token: &str) -> Option<Self> {
+        [Source::Visa, Source::ChargeCustomerFail]
+            .into_iter()
+            .find(|s| s.token() == token)
+    }
+}
+
+/// A customer row.
+#[derive(Debug, Clone)]
+pub(crate) struct Customer {
+    pub(crate) id: String,
+    pub(crate) email: Option<String>,
+    pub(crate) description: Option<String>,
+    pub(crate) source: Option<Source>,
+    pub(crate) metadata: Value,
+    pub(crate) created: OffsetDateTime,
+}
+
+impl Customer {
+    /// Stripe's customer object.
+    pub(crate) fn to_json(&self) -> Value {
+        json!({
+            "id": self.id,
+            "object": "customer",
+            "created": self.created.unix_timestamp(),
+            "description": self.description,
+            "email": self.email,
+            "livemode": false,
+            "metadata": self.metadata,
+        })
+    }
+}
+
+/// `POST /v1/customers` (`email`, `description`, `source`, `metadata[…]`).
+pub(crate) async fn create(
+    State(state): State<AppState>,
+    account: Account,
+    headers: HeaderMap,
+    FormBody(params): FormBody,
+) -> Result<Response, ApiError> {
+    let key = idempotent::key_from_headers(&headers)?;
+    let new = parse_new_customer(&params)?;
+    let params = Value::Object(params);
+    run_detached(async move {
+        let lease =
+            match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await? {
+                Begun::Run(lease) => lease,
+                Begun::Answer(response) => return Ok(response),
+            };
+        let op = Operation::CreateCustomer(new);
+        let outcome = idempotent::complete(&state, account.id, lease, &op).await?;
+        Ok(idempotency_axum::stored_response(&outcome.response))
+    })
+    .await
+}
+
+fn parse_new_customer(params: &params::Params) -> Result<NewCustomer, ApiError> {
+    params::reject_unknown(params, &["description", "email", "metadata", "source"])?;
+    let email = params::optional_string(params, "email", MAX_EMAIL_LEN)?;
+    if let Some(email) = &email {
+        // Stripe's check is loose too: something on each side of an '@'.
+        let valid = email.split_once('@').is_some_and(|(user, host)| {
+            !user.is_empty() && !host.is_empty() && !email.contains(char::is_whitespace)
+        });
+        if !valid {
+            return Err(ApiError::invalid_code(
+                "email",
+                "email_invalid",
+                format!("Invalid email address: {email}"),
+            ));
+        }
+    }
+    let description = params::optional_string(params, "description", MAX_DESCRIPTION_LEN)?;
+    let source = match params::optional_string(params, "source", 255)? {
+        None => None,
+        Some(token) => Some(
+            Source::from_token(&token)
+                .ok_or_else(|| ApiError::no_such_param("token", &token, "source"))?,
+        ),
+    };
+    let metadata = params::metadata(params)?;
+    Ok(NewCustomer {
+        email,
+        description,
+        source,
+        metadata,
+    })
+}
+
+/// `GET /v1/customers/{id}`.
+pub(crate) async fn retrieve(
+    State(state): State<AppState>,
+    account: Account,
+    Path(id): Path<String>,
+) -> Result<axum::Json<Value>, ApiError> {
+    match db::find_customer(state.pool(), account.id, &id).await? {
+        Some(customer) => Ok(axum::Json(customer.to_json())),
+        None => Err(ApiError::not_found("customer", &id)),
+    }
+}

@@ -1,0 +1,246 @@
+//! Injected faults on `POST /v1/charges`, set through the library and through the admin API.
+
+use fakestripe::{FaultCounters, Faults};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::support::{Gateway, Reply, KEY};
+
+#[sqlx::test(migrations = false)]
+async fn fail_before_charge_answers_500_and_writes_nothing(
+    _: PgPoolOptions,
+    options: PgConnectOptions,
+) {
+    let gw = Gateway::start(options).await;
+    let customer = gw.customer("tok_visa").await;
+    gw.state.set_faults(Faults {
+        fail_before_charge: 1.0,
+        ..Faults::none()
+    });
+
+    let reply = gw.charge(Some("fb-1"), &customer, 2000).await;
+    reply.stripe_error(500, "api_error");
+    assert_eq!(gw.charge_count().await, 0);
+    assert_eq!(gw.key_rows().await, 0, "the key was not even claimed");
+    assert_eq!(gw.state.counters().fail_before_charge, 1);
+
+    // Once the gateway recovers, the retry runs the charge afresh.
+    gw.state.set_faults(Faults::none());
+    let retry = gw.charge(Some("fb-1"), &customer, 2000).await;
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert!(!retry.replayed());
+    assert_eq!(gw.charge_count().await, 1);
+    gw.stop().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn fail_after_charge_commits_and_the_retry_returns_the_charge(
+    _: PgPoolOptions,
+    options: PgConnectOptions,
+) {
+    let gw = Gateway::start(options).await;
+    let customer = gw.customer("tok_visa").await;
+    gw.state.set_faults(Faults {
+        fail_after_charge: 1.0,
+        ..Faults::none()
+    });
+
+    let reply = gw.charge(Some("fa-1"), &customer, 2000).await;
+    reply.stripe_error(500, "api_error");
+    let charges = fakestripe::charges_of_customer(gw.state.pool(), &customer)
+        .await
+        .unwrap();
+    assert_eq!(charges.len(), 1, "the charge was committed before the 500");
+
+    // The retry replays the stored charge, even with the fault still on: replays are not struck.
+    let retry = gw.charge(Some("fa-1"), &customer, 2000).await;
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["id"], charges[0].id.as_str());
+    assert_eq!(gw.charge_count().await, 1);
+    assert_eq!(gw.state.counters().fail_after_charge, 1);
+    gw.stop().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn drop_after_charge_is_a_transport_error_and_the_retry_returns_the_charge(
+    _: PgPoolOptions,
+    options: PgConnectOptions,
+) {
+    let gw = Gateway::start(options).await;
+    let customer = gw.customer("tok_visa").await;
+    gw.state.set_faults(Faults {
+        drop_after_charge: 1.0,
+        ..Faults::none()
+    });
+
+    let result = gw
+        .post(
+            "/v1/charges",
+            Some("da-1"),
+            &format!("amount=2000&currency=usd&customer={customer}"),
+        )
+        .send()
+        .await;
+    // No response at all, not even a status line: the client cannot tell what happened.
+    let error = result.expect_err("the connection must end without a response");
+    assert!(!error.is_timeout() && error.status().is_none(), "{error:?}");
+    let charges = fakestripe::charges_of_customer(gw.state.pool(), &customer)
+        .await
+        .unwrap();
+    assert_eq!(charges.len(), 1, "the charge was committed before the drop");
+
+    let retry = gw.charge(Some("da-1"), &customer, 2000).await;
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["id"], charges[0].id.as_str());
+    assert_eq!(gw.charge_count().await, 1);
+    assert_eq!(gw.state.counters().drop_after_charge, 1);
+
+    // A charge without a key is dropped the same way, and still made. Read raw from the
+    // socket: not one byte of a response arrives before the connection closes.
+    let body = format!("amount=3000&currency=usd&customer={customer}");
+    let request = format!(
+        "POST /v1/charges HTTP/1.1\r\nHost: fakestripe\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut socket = TcpStream::connect(gw.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut received = Vec::new();
+    // A reset instead of a clean close is as good: either way no response came.
+    let _ = socket.read_to_end(&mut received).await;
+    assert!(
+        received.is_empty(),
+        "got {:?}",
+        String::from_utf8_lossy(&received)
+    );
+    assert_eq!(gw.charge_count().await, 2);
+    gw.stop().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn conflict_in_flight_answers_409_and_writes_nothing(
+    _: PgPoolOptions,
+    options: PgConnectOptions,
+) {
+    let gw = Gateway::start(options).await;
+    let customer = gw.customer("tok_visa").await;
+    gw.state.set_faults(Faults {
+        conflict_in_flight: 1.0,
+        ..Faults::none()
+    });
+
+    let reply = gw.charge(Some("cf-1"), &customer, 2000).await;
+    let error = reply.stripe_error(409, "idempotency_error");
+    assert_eq!(error["code"], "idempotency_key_in_use");
+    assert_eq!(gw.charge_count().await, 0);
+    assert_eq!(gw.key_rows().await, 0);
+
+    gw.state.set_faults(Faults::none());
+    let retry = gw.charge(Some("cf-1"), &customer, 2000).await;
+    assert_eq!(retry.status, 200);
+    assert!(!retry.replayed());
+    assert_eq!(gw.state.counters().conflict_in_flight, 1);
+    gw.stop().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn declines_and_customer_requests_are_never_struck(
+    _: PgPoolOptions,
+    options: PgConnectOptions,
+) {
+    let gw = Gateway::start(options).await;
+    gw.state.set_faults(Faults {
+        fail_after_charge: 1.0,
+        drop_after_charge: 1.0,
+        latency_ms: 1,
+        ..Faults::none()
+    });
+    // Faults apply to POST /v1/charges only.
+    let declining = gw.customer("tok_chargeCustomerFail").await;
+    // A decline commits no charge, so the after-charge faults do not apply to it.
+    let reply = gw.charge(Some("dc-1"), &declining, 2000).await;
+    reply.stripe_error(402, "card_error");
+    assert_eq!(
+        gw.state.counters(),
+        FaultCounters {
+            latency: 1,
+            ..FaultCounters::default()
+        },
+        "only the latency was injected"
+    );
+    gw.stop().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn admin_api_sets_validates_and_counts_faults(_: PgPoolOptions, options: PgConnectOptions) {
+    let gw = Gateway::start(options).await;
+    let customer = gw.customer("tok_visa").await;
+    let admin = |path: &str| format!("{}{path}", gw.admin);
+
+    let current = Reply::read(gw.http.get(admin("/faults")).send().await.unwrap()).await;
+    assert_eq!(current.status, 200);
+    assert_eq!(
+        serde_json::from_str::<Faults>(&current.text).unwrap(),
+        Faults::none()
+    );
+
+    for bad in [
+        r#"{"fail_after_charge": 1.5}"#,
+        r#"{"drop_after_charge": -0.1}"#,
+        r#"{"latency_ms": 999999}"#,
+        r#"{"fail_after_chrage": 1}"#,
+        "not json",
+    ] {
+        let reply = gw
+            .http
+            .put(admin("/faults"))
+            .body(bad)
+            .send()
+            .await
+            .unwrap();
+        let reply = Reply::read(reply).await;
+        assert_eq!(reply.status, 400, "{bad}: {}", reply.text);
+        assert!(reply.json()["error"]["message"].is_string());
+    }
+    assert_eq!(
+        gw.state.faults(),
+        Faults::none(),
+        "refused settings change nothing"
+    );
+
+    let reply = gw
+        .http
+        .put(admin("/faults"))
+        .header("content-type", "application/json")
+        .body(r#"{"fail_before_charge": 1, "seed": 42}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 200);
+    let expected = Faults {
+        fail_before_charge: 1.0,
+        seed: Some(42),
+        ..Faults::none()
+    };
+    assert_eq!(gw.state.faults(), expected);
+
+    gw.charge(Some("admin-1"), &customer, 2000)
+        .await
+        .stripe_error(500, "api_error");
+    let counters = Reply::read(gw.http.get(admin("/faults/counters")).send().await.unwrap()).await;
+    let counters: FaultCounters = serde_json::from_str(&counters.text).unwrap();
+    assert_eq!(
+        counters,
+        FaultCounters {
+            fail_before_charge: 1,
+            ..FaultCounters::default()
+        }
+    );
+    gw.stop().await;
+}
