@@ -461,3 +461,30 @@ async fn an_unreachable_gateway_is_a_503_and_the_retry_charges_once(pool: PgPool
     assert_eq!(retry.status, 201);
     assert_one_paid_ride(&app).await;
 }
+
+#[sqlx::test(migrations = false)]
+async fn the_database_itself_refuses_a_second_ride_per_key_and_a_charge_on_two_rides(pool: PgPool) {
+    // The code never tries this; the constraints are the last line of defence if it ever did.
+    let (app, _, api_key) = app_with_user(pool).await;
+    let reply = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    let ride_id = reply.json()["ride_id"].as_i64().unwrap();
+    let same_key = "INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon,
+                                       target_lat, target_lon, amount_cents)
+                    SELECT user_id, idempotency_key_id, 0, 0, 0, 0, 100 FROM rides WHERE id = $1";
+    let same_charge = "INSERT INTO rides (user_id, charge_id, status, origin_lat, origin_lon,
+                                          target_lat, target_lon, amount_cents)
+                       SELECT user_id, charge_id, 'paid', 0, 0, 0, 0, 100 FROM rides WHERE id = $1";
+    for (sql, constraint) in [
+        (same_key, "rides_idempotency_key_id_key"),
+        (same_charge, "rides_charge_id_key"),
+    ] {
+        let err = sqlx::query(sql)
+            .bind(ride_id)
+            .execute(&app.pool)
+            .await
+            .unwrap_err();
+        let db = err.as_database_error().unwrap_or_else(|| panic!("{err}"));
+        assert_eq!(db.constraint(), Some(constraint), "{err}");
+    }
+    assert_eq!(app.rides().await, 1);
+}
