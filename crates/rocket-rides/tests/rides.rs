@@ -311,12 +311,19 @@ async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: Pg
         panic!("A should acquire");
     };
     app.expire_leases();
-    // B, the client's retry, takes the key over and finishes.
+    // B, the client's retry, takes the key over, creates the ride and stalls there in turn
+    // (its lease is live: the key is not finished, so only the token tells A and B apart).
+    app.state.failpoints.arm(failpoints::AFTER_RIDE_CREATED);
     let b = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
-    assert_eq!(b.status, 201);
-    // A wakes up and runs its phases: the first fenced update refuses it.
+    assert_eq!(b.status, 500);
+    // A wakes up and runs its phases: the first fenced update refuses it, before any write.
     let err = booking::run(&app.state, &mut stale).await.unwrap_err();
     assert!(matches!(err, BookingError::LeaseLost(_)), "{err}");
+    assert_eq!(app.rides().await, 1);
+    // Once B's lease is over too, the client's next retry finishes the one ride.
+    app.expire_leases();
+    let c = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(c.status, 201);
     assert_one_paid_ride(&app).await;
 }
 
