@@ -15,6 +15,9 @@
 //!   sees its result; the business writes that follow cannot interleave with a takeover.
 //! - **Release** after a transient failure is fenced the same way, so a stale holder cannot free
 //!   a lease that is no longer its own.
+//! - **The completer's claim** takes abandoned keys in batches with `FOR UPDATE SKIP LOCKED` and
+//!   increments their tokens like any claim; **the reaper** deletes finished keys past retention
+//!   in short batches, never unfinished ones.
 //!
 //! Every statement carries `user_id`, so the table can be distributed by user.
 
@@ -419,6 +422,116 @@ impl Store {
         Ok(())
     }
 
+    /// Acquires up to `limit` keys that their requests abandoned: unfinished, lease free or
+    /// expired, older than `grace`, and past their backoff. This is how a completer claims; each
+    /// returned lease has a fresh fencing token, exactly as a request's claim would.
+    ///
+    /// `FOR UPDATE SKIP LOCKED` lets several completers run at once without waiting on each
+    /// other or taking the same key: a row locked by one is skipped by the others, and a row
+    /// whose lease a request takes meanwhile no longer matches when re-checked under the lock.
+    pub async fn claim_abandoned<P: RecoveryPoint>(
+        &self,
+        grace: Duration,
+        limit: i64,
+    ) -> Result<Vec<Lease<P>>, Error> {
+        let rows = sqlx::query(
+            r#"
+            WITH abandoned AS (
+                SELECT id FROM idempotency_keys
+                WHERE finished_at IS NULL
+                  AND (locked_until IS NULL OR locked_until <= coalesce($1::timestamptz, now()))
+                  AND created_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
+                  AND (next_attempt_at IS NULL OR next_attempt_at <= coalesce($1::timestamptz, now()))
+                ORDER BY created_at
+                LIMIT $3
+                FOR UPDATE SKIP LOCKED
+            )
+            UPDATE idempotency_keys k
+            SET lease_token  = k.lease_token + 1,
+                attempts     = k.attempts + 1,
+                locked_until = coalesce($1::timestamptz, now()) + $4 * interval '1 millisecond',
+                last_run_at  = coalesce($1::timestamptz, now())
+            FROM abandoned
+            WHERE k.id = abandoned.id
+            RETURNING k.id, k.user_id, k.lease_token, k.attempts, k.recovery_point,
+                      k.request_params, k.locked_until
+            "#,
+        )
+        .bind(self.now())
+        .bind(grace.as_millis().min(i64::MAX as u128) as i64)
+        .bind(limit.clamp(1, 10_000))
+        .bind(self.ttl_millis())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(Error::db("claim abandoned keys"))?;
+        rows.iter()
+            .map(|row| lease_from_row(row, row.get("user_id")))
+            .collect()
+    }
+
+    /// Gives the lease up after a failed completer attempt and keeps completers away from the
+    /// key for `backoff`. A client's own retry may still claim it at any time.
+    pub async fn release_with_backoff<P: RecoveryPoint>(
+        &self,
+        lease: Lease<P>,
+        backoff: Duration,
+    ) -> Result<(), Error> {
+        let released = sqlx::query(
+            r#"
+            UPDATE idempotency_keys
+            SET locked_until = NULL,
+                next_attempt_at = coalesce($4::timestamptz, now()) + $5 * interval '1 millisecond'
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            "#,
+        )
+        .bind(lease.key_id)
+        .bind(lease.user_id)
+        .bind(lease.token)
+        .bind(self.now())
+        .bind(backoff.as_millis().min(i64::MAX as u128) as i64)
+        .execute(&self.pool)
+        .await
+        .map_err(Error::db(format!(
+            "release lease of key {} with backoff",
+            lease.key_id
+        )))?;
+        if released.rows_affected() == 0 {
+            return Err(Error::LeaseLost {
+                key_id: lease.key_id,
+                token: lease.token,
+            });
+        }
+        Ok(())
+    }
+
+    /// Deletes up to `limit` keys that finished more than `retention` ago; returns how many.
+    ///
+    /// Unfinished keys are never touched, whatever their age: they still owe a result. Each call
+    /// is one short statement, so a reaper that loops over batches holds no long locks; rows that
+    /// another transaction has locked are skipped until the next pass.
+    pub async fn reap_finished(&self, retention: Duration, limit: i64) -> Result<u64, Error> {
+        let deleted = sqlx::query(
+            r#"
+            DELETE FROM idempotency_keys
+            WHERE id IN (
+                SELECT id FROM idempotency_keys
+                WHERE finished_at IS NOT NULL
+                  AND finished_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
+                ORDER BY finished_at
+                LIMIT $3
+                FOR UPDATE SKIP LOCKED
+            )
+            "#,
+        )
+        .bind(self.now())
+        .bind(retention.as_millis().min(i64::MAX as u128) as i64)
+        .bind(limit.clamp(1, 100_000))
+        .execute(&self.pool)
+        .await
+        .map_err(Error::db("reap finished keys"))?;
+        Ok(deleted.rows_affected())
+    }
+
     /// Reads one key by id, for an operator's inspection (`keys show`) and tests. Unlike the
     /// request path, this look-up crosses users.
     pub async fn find(&self, key_id: i64) -> Result<Option<KeyRecord>, Error> {
@@ -566,6 +679,9 @@ pub struct KeyRecord {
     pub lease_token: i64,
     /// Acquisitions so far.
     pub attempts: i32,
+    /// The completer leaves the key alone until then.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub next_attempt_at: Option<OffsetDateTime>,
     /// Stored status, once finished.
     pub response_status: Option<i16>,
     /// The stored request parameters.
@@ -579,8 +695,8 @@ pub struct KeyRecord {
 }
 
 const KEY_RECORD_COLUMNS: &str = "id, user_id, request_method, request_path, idempotency_key, \
-    recovery_point, locked_until, lease_token, attempts, response_status, request_params, \
-    created_at, finished_at";
+    recovery_point, locked_until, lease_token, attempts, next_attempt_at, response_status, \
+    request_params, created_at, finished_at";
 
 impl KeyRecord {
     fn from_row(row: &PgRow) -> Result<Self, Error> {
@@ -599,6 +715,7 @@ impl KeyRecord {
             locked_until: row.try_get("locked_until").map_err(get)?,
             lease_token: row.try_get("lease_token").map_err(get)?,
             attempts: row.try_get("attempts").map_err(get)?,
+            next_attempt_at: row.try_get("next_attempt_at").map_err(get)?,
             response_status: row.try_get("response_status").map_err(get)?,
             request_params: row
                 .try_get::<Json<Value>, _>("request_params")

@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, State};
 use axum::response::IntoResponse;
@@ -12,6 +13,7 @@ use sqlx::PgPool;
 use tokio::net::TcpListener;
 
 use crate::config::{GatewayArgs, LeaseArgs};
+use crate::shutdown::Signal;
 use crate::stripe::StripeClient;
 
 /// The largest request body accepted; a ride request is about 120 bytes.
@@ -26,6 +28,10 @@ pub struct AppState {
     pub store: Store,
     /// The payment gateway.
     pub stripe: StripeClient,
+    /// How often a request renews its lease while it waits on the gateway.
+    pub heartbeat: Duration,
+    /// Fires when in-flight work must give up its lease (the shutdown deadline passed).
+    pub giving_up: Signal,
     /// Crash points armed by tests.
     #[cfg(feature = "failpoints")]
     pub failpoints: crate::failpoints::Failpoints,
@@ -51,6 +57,8 @@ impl AppState {
             pool,
             store,
             stripe,
+            heartbeat: lease.lease_heartbeat,
+            giving_up: Signal::never(),
             #[cfg(feature = "failpoints")]
             failpoints: Default::default(),
         })
@@ -91,20 +99,4 @@ pub async fn serve(
     axum::serve(listener, router)
         .with_graceful_shutdown(shutdown)
         .await
-}
-
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("install the SIGTERM handler");
-        tokio::select! {
-            _ = interrupt => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = interrupt.await;
 }

@@ -75,6 +75,9 @@ pub enum BookingError {
     /// Anything else: a database failure, a gateway that refused our request, a broken invariant.
     #[error("{0}")]
     Internal(String),
+    /// The process is shutting down and gave the request up before it finished.
+    #[error("given up at shutdown")]
+    GivenUp,
     /// A failpoint stopped the request as a crash would.
     #[error("crashed at failpoint {0}")]
     Crashed(&'static str),
@@ -94,16 +97,10 @@ fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> BookingError {
 }
 
 /// Stops here if a test armed this crash point.
-#[cfg(feature = "failpoints")]
 fn crash_point(state: &AppState, point: &'static str) -> Result<(), BookingError> {
-    if state.failpoints.fire(point) {
+    if crate::failpoints::hit(state, point) {
         return Err(BookingError::Crashed(point));
     }
-    Ok(())
-}
-
-#[cfg(not(feature = "failpoints"))]
-fn crash_point(_state: &AppState, _point: &'static str) -> Result<(), BookingError> {
     Ok(())
 }
 
@@ -204,16 +201,16 @@ async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
         .await
         .map_err(db("load customer"))?;
 
-    let result = state
-        .stripe
-        .create_charge(
-            &gateway_key(lease.key_id()),
-            i64::from(ride.amount_cents),
-            &customer,
-            &format!("Rocket Rides ride {}", ride.ride_id),
-            ride.ride_id,
-        )
-        .await;
+    let gateway_key = gateway_key(lease.key_id());
+    let description = format!("Rocket Rides ride {}", ride.ride_id);
+    let call = state.stripe.create_charge(
+        &gateway_key,
+        i64::from(ride.amount_cents),
+        &customer,
+        &description,
+        ride.ride_id,
+    );
+    let result = with_heartbeat(state, lease, call).await?;
     let charge = match result {
         Ok(charge) => charge,
         Err(ChargeError::Declined { code, message }) => {
@@ -253,6 +250,31 @@ async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
     phase.commit().await?;
     crash_point(state, crate::failpoints::AFTER_CHARGE_CREATED)?;
     Ok(Step::Advanced)
+}
+
+/// Awaits a foreign call while renewing the lease every heartbeat period.
+///
+/// A call that outlives the lease TTL would otherwise let another attempt take the key over and
+/// call again (harmless for the charge, whose key is the same, but wasteful). If a renewal finds
+/// the lease taken over, the call is abandoned at once and nothing more is written: the new
+/// holder carries on under the same gateway key.
+async fn with_heartbeat<T>(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    call: impl std::future::Future<Output = T>,
+) -> Result<T, BookingError> {
+    tokio::pin!(call);
+    let start = tokio::time::Instant::now() + state.heartbeat;
+    let mut ticker = tokio::time::interval_at(start, state.heartbeat);
+    loop {
+        tokio::select! {
+            outcome = &mut call => return Ok(outcome),
+            _ = ticker.tick() => {
+                state.store.renew(lease).await?;
+                tracing::debug!(key_id = lease.key_id(), "lease renewed during the gateway call");
+            }
+        }
+    }
 }
 
 /// The final phase of a declined card: the ride is marked, the 402 is stored.

@@ -8,7 +8,8 @@ use clap::{Args, Parser, Subcommand};
 use idempotency::{DatabaseClock, Store};
 
 use crate::app::{self, AppState};
-use crate::config::{GatewayArgs, LeaseArgs};
+use crate::config::{GatewayArgs, LeaseArgs, ShutdownArgs, WorkerArgs};
+use crate::shutdown::{os_signal, Shutdown};
 use crate::stripe::StripeClient;
 
 /// Rocket Rides: book a ride and charge a card, effectively once.
@@ -52,6 +53,24 @@ enum Command {
         gateway: GatewayArgs,
         #[command(flatten)]
         lease: LeaseArgs,
+        #[command(flatten)]
+        shutdown: ShutdownArgs,
+    },
+    /// Run the completer, the outbox drain and the reaper.
+    Worker {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// Run each loop once and exit (for cron-style use and for tests).
+        #[arg(long)]
+        once: bool,
+        #[command(flatten)]
+        worker: WorkerArgs,
+        #[command(flatten)]
+        gateway: GatewayArgs,
+        #[command(flatten)]
+        lease: LeaseArgs,
+        #[command(flatten)]
+        shutdown: ShutdownArgs,
     },
     /// Inspect idempotency keys: recovery points, leases, attempts.
     Keys {
@@ -133,14 +152,47 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             max_connections,
             gateway,
             lease,
+            shutdown,
         } => {
             let pool = connect(&db, max_connections).await?;
-            let state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
+            let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .with_context(|| format!("listen on {listen}"))?;
             tracing::info!(address = %listener.local_addr()?, "serving");
-            app::serve(listener, app::router(state), app::shutdown_signal()).await?;
+            let steps = Shutdown::new();
+            let mut stopping = steps.stopping();
+            state.giving_up = steps.giving_up();
+            tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
+            app::serve(listener, app::router(state), async move {
+                stopping.wait().await
+            })
+            .await?;
+            tracing::info!("stopped");
+        }
+        Command::Worker {
+            db,
+            once,
+            worker,
+            gateway,
+            lease,
+            shutdown,
+        } => {
+            crate::config::validate_worker(&worker, &lease).map_err(anyhow::Error::msg)?;
+            let connections = worker.completer_concurrency + 2;
+            let pool = connect(&db, connections).await?;
+            let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
+            if once {
+                crate::worker::run_once(&state, &worker).await?;
+            } else {
+                let steps = Shutdown::new();
+                let stopping = steps.stopping();
+                state.giving_up = steps.giving_up();
+                tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
+                tracing::info!("worker running");
+                crate::worker::run(&state, &worker, stopping).await;
+                tracing::info!("stopped");
+            }
         }
         Command::Keys { command } => {
             let (db, which) = match command {

@@ -38,6 +38,118 @@ pub struct LeaseArgs {
     /// How long a request holds its key before another attempt may take it over.
     #[arg(long, env = "LEASE_TTL", value_parser = parse_duration, default_value = "30s")]
     pub lease_ttl: Duration,
+    /// How often a request renews its lease while it waits on the gateway; below lease TTL / 2,
+    /// so that one late renewal still leaves the lease alive.
+    #[arg(long, env = "LEASE_HEARTBEAT", value_parser = parse_duration, default_value = "10s")]
+    pub lease_heartbeat: Duration,
+}
+
+/// Default of `--lease-heartbeat`: a third of the default lease TTL.
+pub const DEFAULT_LEASE_HEARTBEAT: Duration = Duration::from_secs(10);
+
+/// How long `serve` and `worker` let work in flight finish after SIGTERM before giving it up.
+#[derive(Debug, Clone, Args)]
+pub struct ShutdownArgs {
+    /// After SIGTERM/SIGINT, how long in-flight requests may run on; then they release their
+    /// leases and stop. Keep it below your orchestrator's kill timeout (Kubernetes: 30 s).
+    #[arg(long, env = "SHUTDOWN_DEADLINE", value_parser = parse_duration, default_value = "10s")]
+    pub shutdown_deadline: Duration,
+}
+
+/// The background loops of `rocket-rides worker`.
+#[derive(Debug, Clone, Args)]
+pub struct WorkerArgs {
+    /// Pause between two completer passes.
+    #[arg(long, env = "COMPLETER_INTERVAL", value_parser = parse_duration, default_value = "5s")]
+    pub completer_interval: Duration,
+    /// How old an unfinished key must be before the completer takes it: longer than the lease
+    /// TTL, so that a live client gets the first chance to retry its own request.
+    #[arg(long, env = "COMPLETER_GRACE", value_parser = parse_duration, default_value = "60s")]
+    pub completer_grace: Duration,
+    /// Keys claimed per completer pass.
+    #[arg(long, env = "COMPLETER_BATCH", default_value_t = 50,
+          value_parser = clap::value_parser!(i64).range(1..=1000))]
+    pub completer_batch: i64,
+    /// Keys worked at once by one completer.
+    #[arg(long, env = "COMPLETER_CONCURRENCY", default_value_t = 4,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub completer_concurrency: u32,
+    /// First backoff after a failed completer attempt; doubles with each attempt.
+    #[arg(long, env = "COMPLETER_BACKOFF", value_parser = parse_duration, default_value = "5s")]
+    pub completer_backoff: Duration,
+    /// Longest backoff: a key that keeps failing is still retried at least this often.
+    #[arg(long, env = "COMPLETER_BACKOFF_MAX", value_parser = parse_duration,
+          default_value = "10m")]
+    pub completer_backoff_max: Duration,
+    /// Pause between two reaper passes.
+    #[arg(long, env = "REAPER_INTERVAL", value_parser = parse_duration, default_value = "1m")]
+    pub reaper_interval: Duration,
+    /// How long finished keys are kept, so that retries within it replay. Stripe keeps 24 h.
+    #[arg(long, env = "KEY_RETENTION", value_parser = parse_duration, default_value = "48h")]
+    pub key_retention: Duration,
+    /// Keys deleted per reaper statement; small enough that no statement holds locks for long.
+    #[arg(long, env = "REAPER_BATCH", default_value_t = 1000,
+          value_parser = clap::value_parser!(i64).range(1..=100_000))]
+    pub reaper_batch: i64,
+    /// Pause between two outbox drains.
+    #[arg(long, env = "DRAIN_INTERVAL", value_parser = parse_duration, default_value = "1s")]
+    pub drain_interval: Duration,
+    /// Jobs delivered per drain transaction.
+    #[arg(long, env = "DRAIN_BATCH", default_value_t = 100,
+          value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    pub drain_batch: i64,
+}
+
+impl Default for WorkerArgs {
+    fn default() -> Self {
+        Self {
+            completer_interval: Duration::from_secs(5),
+            completer_grace: Duration::from_secs(60),
+            completer_batch: 50,
+            completer_concurrency: 4,
+            completer_backoff: Duration::from_secs(5),
+            completer_backoff_max: Duration::from_secs(600),
+            reaper_interval: Duration::from_secs(60),
+            key_retention: Duration::from_secs(48 * 3600),
+            reaper_batch: 1000,
+            drain_interval: Duration::from_secs(1),
+            drain_batch: 100,
+        }
+    }
+}
+
+/// Checks the worker's limits against each other and against the lease.
+pub fn validate_worker(worker: &WorkerArgs, lease: &LeaseArgs) -> Result<(), String> {
+    if worker.completer_grace <= lease.lease_ttl {
+        return Err(format!(
+            "--completer-grace ({:?}) must exceed --lease-ttl ({:?}): the client's own retry \
+             comes first",
+            worker.completer_grace, lease.lease_ttl
+        ));
+    }
+    if worker.completer_backoff.is_zero() || worker.completer_backoff > worker.completer_backoff_max
+    {
+        return Err(format!(
+            "--completer-backoff ({:?}) must be above zero and at most --completer-backoff-max ({:?})",
+            worker.completer_backoff, worker.completer_backoff_max
+        ));
+    }
+    for (name, value) in [
+        ("--completer-interval", worker.completer_interval),
+        ("--reaper-interval", worker.reaper_interval),
+        ("--drain-interval", worker.drain_interval),
+    ] {
+        if value < Duration::from_millis(10) {
+            return Err(format!("{name} ({value:?}) must be at least 10ms"));
+        }
+    }
+    if worker.key_retention < Duration::from_secs(3600) {
+        return Err(format!(
+            "--key-retention ({:?}) must be at least 1h: clients retry for longer than minutes",
+            worker.key_retention
+        ));
+    }
+    Ok(())
 }
 
 impl Default for GatewayArgs {
@@ -55,6 +167,7 @@ impl Default for LeaseArgs {
     fn default() -> Self {
         Self {
             lease_ttl: idempotency::DEFAULT_LEASE_TTL,
+            lease_heartbeat: DEFAULT_LEASE_HEARTBEAT,
         }
     }
 }
@@ -75,6 +188,12 @@ pub fn validate(gateway: &GatewayArgs, lease: &LeaseArgs) -> Result<(), String> 
             "--lease-ttl ({:?}) must be at least --gateway-timeout ({:?}) + {:?}: otherwise a lease \
              can expire while its holder still waits on a charge",
             lease.lease_ttl, gateway.gateway_timeout, LEASE_MARGIN
+        ));
+    }
+    if lease.lease_heartbeat.is_zero() || lease.lease_heartbeat * 2 >= lease.lease_ttl {
+        return Err(format!(
+            "--lease-heartbeat ({:?}) must be above zero and below half of --lease-ttl ({:?})",
+            lease.lease_heartbeat, lease.lease_ttl
         ));
     }
     let http = gateway.stripe_api_base.starts_with("http://")
@@ -132,9 +251,37 @@ mod tests {
         assert_eq!(validate(&gateway, &LeaseArgs::default()), Ok(()));
         let short = LeaseArgs {
             lease_ttl: Duration::from_secs(12),
+            ..Default::default()
         };
         let err = validate(&gateway, &short).unwrap_err();
         assert!(err.contains("--lease-ttl"), "{err}");
+    }
+
+    #[test]
+    fn heartbeat_must_be_below_half_the_lease() {
+        let lease = LeaseArgs {
+            lease_heartbeat: Duration::from_secs(15),
+            ..Default::default()
+        };
+        let err = validate(&GatewayArgs::default(), &lease).unwrap_err();
+        assert!(err.contains("--lease-heartbeat"), "{err}");
+    }
+
+    #[test]
+    fn completer_grace_must_exceed_the_lease() {
+        let lease = LeaseArgs::default();
+        assert_eq!(validate_worker(&WorkerArgs::default(), &lease), Ok(()));
+        let eager = WorkerArgs {
+            completer_grace: Duration::from_secs(30),
+            ..Default::default()
+        };
+        let err = validate_worker(&eager, &lease).unwrap_err();
+        assert!(err.contains("--completer-grace"), "{err}");
+        let short = WorkerArgs {
+            key_retention: Duration::from_secs(60),
+            ..Default::default()
+        };
+        assert!(validate_worker(&short, &lease).is_err());
     }
 
     #[test]

@@ -19,6 +19,9 @@ pub const AFTER_CHARGE_CREATED: &str = "after_charge_created";
 /// After the final phase has committed, before the response leaves.
 pub const AFTER_FINISHED: &str = "after_finished";
 
+/// In the outbox drain, after a receipt was written and before its job is deleted.
+pub const AFTER_RECEIPT_EFFECT: &str = "after_receipt_effect";
+
 /// The armed points. Each fires once, then disarms itself.
 #[cfg(feature = "failpoints")]
 #[derive(Debug, Clone, Default)]
@@ -41,4 +44,18 @@ impl Failpoints {
             .unwrap_or_else(|e| e.into_inner())
             .remove(point)
     }
+}
+
+/// Whether the request or job passing `point` must stop here as if the process died. Always
+/// false in builds without the `failpoints` feature.
+#[cfg(feature = "failpoints")]
+pub(crate) fn hit(state: &crate::app::AppState, point: &'static str) -> bool {
+    state.failpoints.fire(point)
+}
+
+/// Whether the request or job passing `point` must stop here as if the process died. Always
+/// false in builds without the `failpoints` feature.
+#[cfg(not(feature = "failpoints"))]
+pub(crate) fn hit(_state: &crate::app::AppState, _point: &'static str) -> bool {
+    false
 }

@@ -9,6 +9,8 @@
 //! | errors as problem+json | [`problem`] |
 //! | settings and their relations | [`config`] |
 //! | routes, state, serving | [`app`] |
+//! | graceful shutdown in two steps | [`shutdown`] |
+//! | completer, reaper, outbox drain | [`worker`] |
 
 pub mod app;
 pub mod auth;
@@ -19,5 +21,7 @@ pub mod db;
 pub mod failpoints;
 pub mod problem;
 pub mod rides;
+pub mod shutdown;
 pub mod stripe;
 pub mod users;
+pub mod worker;

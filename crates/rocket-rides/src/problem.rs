@@ -27,6 +27,8 @@ pub mod types {
     pub const NOT_FOUND: &str = "urn:problem:rocket-rides:not-found";
     /// The payment gateway is unavailable; retry (503).
     pub const GATEWAY_UNAVAILABLE: &str = "urn:problem:rocket-rides:gateway-unavailable";
+    /// The server is shutting down; retry, another instance resumes the request (503).
+    pub const SHUTTING_DOWN: &str = "urn:problem:rocket-rides:shutting-down";
     /// The request lost its lease to another worker, which carries on (409).
     pub const LEASE_LOST: &str = "urn:problem:rocket-rides:lease-lost";
     /// Something broke on our side (500).
@@ -65,6 +67,9 @@ pub enum ApiError {
     /// Another worker took the key over while this request ran.
     #[error("lease lost")]
     LeaseLost,
+    /// The server is shutting down and gave the request up; its key is free to retry.
+    #[error("shutting down")]
+    ShuttingDown,
     /// Anything else.
     #[error("internal error: {0}")]
     Internal(String),
@@ -118,6 +123,13 @@ impl IntoResponse for ApiError {
                 "Request taken over",
             )
             .with_detail("another attempt with this Idempotency-Key is completing the request")
+            .with_retry_after(GATEWAY_RETRY_AFTER),
+            Self::ShuttingDown => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::SHUTTING_DOWN,
+                "Shutting down",
+            )
+            .with_detail("the server stopped before finishing; retry with the same Idempotency-Key")
             .with_retry_after(GATEWAY_RETRY_AFTER),
             Self::Internal(why) => {
                 tracing::error!(error = %why, "internal error");

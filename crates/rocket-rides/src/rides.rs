@@ -233,7 +233,14 @@ pub async fn create(
         Err(refusal) => return Ok(refusal),
     };
 
-    match booking::run(&state, &mut lease).await {
+    let mut giving_up = state.giving_up.clone();
+    let outcome = tokio::select! {
+        outcome = booking::run(&state, &mut lease) => outcome,
+        // Shutdown deadline: stop between two statements of the machine (an open phase rolls
+        // back), hand the key back, and let the client's retry resume it elsewhere.
+        _ = giving_up.wait() => Err(BookingError::GivenUp),
+    };
+    match outcome {
         Ok(stored) => Ok(stored_response(&stored)),
         Err(BookingError::Crashed(point)) => {
             // A simulated crash: the lease is kept until it expires, as a dead process keeps it.
@@ -252,6 +259,7 @@ pub async fn create(
             }
             match e {
                 BookingError::GatewayUnavailable(why) => Err(ApiError::GatewayUnavailable(why)),
+                BookingError::GivenUp => Err(ApiError::ShuttingDown),
                 other => Err(ApiError::Internal(other.to_string())),
             }
         }

@@ -108,6 +108,11 @@ impl StripeClient {
         })
     }
 
+    /// The API base URL.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
     /// `POST /v1/customers` with a card source token.
     pub async fn create_customer(
         &self,

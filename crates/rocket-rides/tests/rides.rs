@@ -441,6 +441,7 @@ async fn an_unreachable_gateway_is_a_503_and_the_retry_charges_once(pool: PgPool
         &gateway,
         &rocket_rides::config::LeaseArgs {
             lease_ttl: common::TTL,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -42,7 +42,7 @@ async fn spawn(router: axum::Router) -> (String, oneshot::Sender<()>) {
 }
 
 /// The URL of the database behind `pool`: the server of DATABASE_URL, the test's database.
-async fn url_of(pool: &PgPool) -> String {
+pub async fn url_of(pool: &PgPool) -> String {
     let name: String = sqlx::query_scalar("SELECT current_database()")
         .fetch_one(pool)
         .await
@@ -65,7 +65,23 @@ impl TestApp {
         Self::start_with(pool, GatewayArgs::default()).await
     }
 
-    pub async fn start_with(pool: PgPool, mut gateway_args: GatewayArgs) -> Self {
+    pub async fn start_with(pool: PgPool, gateway_args: GatewayArgs) -> Self {
+        Self::start_with_lease(
+            pool,
+            gateway_args,
+            LeaseArgs {
+                lease_ttl: TTL,
+                ..Default::default()
+            },
+        )
+        .await
+    }
+
+    pub async fn start_with_lease(
+        pool: PgPool,
+        mut gateway_args: GatewayArgs,
+        lease: LeaseArgs,
+    ) -> Self {
         rocket_rides::db::migrate(&pool).await.unwrap();
         let gateway_pool = fakestripe::connect(&url_of(&pool).await).await.unwrap();
         let gateway = fakestripe::AppState::new(gateway_pool, Faults::default());
@@ -73,13 +89,8 @@ impl TestApp {
 
         gateway_args.stripe_api_base = gateway_base;
         let clock = ManualClock::starting_now();
-        let state = AppState::new(
-            pool.clone(),
-            Arc::new(clock.clone()),
-            &gateway_args,
-            &LeaseArgs { lease_ttl: TTL },
-        )
-        .unwrap();
+        let state =
+            AppState::new(pool.clone(), Arc::new(clock.clone()), &gateway_args, &lease).unwrap();
         let (base, stop_api) = spawn(app::router(state.clone())).await;
         Self {
             base,
@@ -151,9 +162,56 @@ impl TestApp {
         self.gateway.set_faults(faults);
     }
 
+    /// The service's current (moved) time.
+    pub fn clock_now(&self) -> time::OffsetDateTime {
+        use idempotency::Clock;
+        self.clock.now().unwrap()
+    }
+
     /// Moves the service's clock past every lease it has granted.
     pub fn expire_leases(&self) {
         self.clock.advance(TTL + Duration::from_secs(1));
+    }
+
+    /// The recovery point of the only key of this user.
+    pub async fn key_state(&self, user_id: i64) -> Option<(String, bool)> {
+        sqlx::query_as(
+            "SELECT recovery_point, locked_until IS NOT NULL FROM idempotency_keys WHERE user_id = $1",
+        )
+        .bind(user_id)
+        .fetch_optional(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    /// Waits (bounded) until the user's key has reached `point`: the signal that a request in
+    /// another task or process is now inside the gateway call.
+    pub async fn wait_for_point(&self, user_id: i64, point: &str) {
+        for _ in 0..500 {
+            if self
+                .key_state(user_id)
+                .await
+                .is_some_and(|(p, _)| p == point)
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the key of user {user_id} never reached {point}");
+    }
+
+    /// `POST /rides` until a final answer, honouring `Retry-After` on 409 and 503, as a client
+    /// does; bounded.
+    pub async fn post_until_final(&self, api_key: &str, key: &str, body: &str) -> Reply {
+        for _ in 0..30 {
+            let reply = self.post_ride(Some(api_key), Some(key), body).await;
+            if reply.status != 409 && reply.status != 503 {
+                return reply;
+            }
+            let after: u64 = reply.header("retry-after").unwrap().parse().unwrap();
+            tokio::time::sleep(Duration::from_secs(after)).await;
+        }
+        panic!("no final answer for key {key}");
     }
 
     /// The recovery point of the only key of this user.

@@ -1,0 +1,567 @@
+//! The background work against a real PostgreSQL and a real fakestripe: completer, reaper,
+//! outbox drain, lease heartbeat, graceful shutdown.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{TestApp, RIDE, TTL};
+use fakestripe::Faults;
+use idempotency::{Claim, Fingerprint, IdempotencyKey, NewRequest};
+use rocket_rides::booking::RidePoint;
+use rocket_rides::config::{GatewayArgs, LeaseArgs, WorkerArgs};
+use rocket_rides::failpoints;
+use rocket_rides::problem::types;
+use rocket_rides::rides::{RideRequest, RIDES_ROUTE};
+use rocket_rides::worker::{completer, outbox, reaper};
+use serde_json::Value;
+use sqlx::PgPool;
+
+fn settings() -> WorkerArgs {
+    WorkerArgs::default()
+}
+
+/// Past the completer's grace (and so past every lease).
+fn past_grace(app: &TestApp) {
+    app.clock
+        .advance(settings().completer_grace + Duration::from_secs(1));
+}
+
+/// A request for `key` that dies right after `point`.
+async fn abandon(app: &TestApp, api_key: &str, key: &str, point: &'static str) {
+    app.state.failpoints.arm(point);
+    let reply = app.post_ride(Some(api_key), Some(key), RIDE).await;
+    assert_eq!(reply.status, 500, "{reply:?}");
+}
+
+async fn unfinished(app: &TestApp) -> i64 {
+    app.count("SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL")
+        .await
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_completer_finishes_keys_abandoned_at_each_recovery_point(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    let points = [
+        failpoints::AFTER_RIDE_CREATED,
+        failpoints::AFTER_GATEWAY_CHARGE,
+        failpoints::AFTER_CHARGE_CREATED,
+    ];
+    for (i, point) in points.into_iter().enumerate() {
+        abandon(&app, &api_key, &format!("k-{i}"), point).await;
+    }
+    let at: Vec<String> =
+        sqlx::query_scalar("SELECT recovery_point FROM idempotency_keys ORDER BY id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(at, ["ride_created", "ride_created", "charge_created"]);
+
+    past_grace(&app);
+    let report = completer::run_once(&app.state, &settings()).await.unwrap();
+    assert_eq!((report.claimed, report.finished), (3, 3), "{report:?}");
+    assert_eq!(unfinished(&app).await, 0);
+    assert_eq!(app.rides().await, 3);
+    assert_eq!(
+        app.charges().await,
+        3,
+        "one charge per key, the derived key found the made one"
+    );
+    let paid = app
+        .count(
+            "SELECT count(*) FROM rides r JOIN fakestripe.charges c ON c.id = r.charge_id
+             WHERE r.status = 'paid' AND c.amount = r.amount_cents",
+        )
+        .await;
+    assert_eq!(paid, 3);
+    // The client that comes back gets the answer the completer stored.
+    for i in 0..3 {
+        let reply = app
+            .post_ride(Some(&api_key), Some(&format!("k-{i}")), RIDE)
+            .await;
+        assert_eq!(reply.status, 201);
+        assert!(reply.replayed());
+    }
+    // And the receipts of the completed rides go out.
+    assert_eq!(outbox::run_once(&app.state, 100).await.unwrap(), 3);
+    assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 3);
+}
+
+#[sqlx::test(migrations = false)]
+async fn two_completers_at_once_never_work_the_same_key(pool: PgPool) {
+    let app = Arc::new(TestApp::start(pool).await);
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    for i in 0..8 {
+        abandon(
+            &app,
+            &api_key,
+            &format!("k-{i}"),
+            failpoints::AFTER_RIDE_CREATED,
+        )
+        .await;
+    }
+    past_grace(&app);
+    let barrier = Arc::new(tokio::sync::Barrier::new(2));
+    let mut passes = Vec::new();
+    for _ in 0..2 {
+        let (app, barrier) = (app.clone(), barrier.clone());
+        passes.push(tokio::spawn(async move {
+            let settings = WorkerArgs {
+                completer_batch: 5,
+                ..settings()
+            };
+            barrier.wait().await;
+            completer::run_once(&app.state, &settings).await.unwrap()
+        }));
+    }
+    let mut claimed = 0;
+    for pass in passes {
+        let report = pass.await.unwrap();
+        assert_eq!(report.claimed, report.finished, "{report:?}");
+        claimed += report.claimed;
+    }
+    // Each key was acquired twice in all: by its request, then by exactly one completer.
+    let twice = app
+        .count("SELECT count(*) FROM idempotency_keys WHERE attempts = 2")
+        .await;
+    assert_eq!(twice, claimed as i64);
+    // Whatever the first pass left (batches of 5), a later pass finishes; nothing twice.
+    completer::run_once(&app.state, &settings()).await.unwrap();
+    assert_eq!(unfinished(&app).await, 0);
+    assert_eq!(
+        app.count("SELECT count(*) FROM idempotency_keys WHERE attempts = 2")
+            .await,
+        8
+    );
+    assert_eq!((app.rides().await, app.charges().await), (8, 8));
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_completer_skips_keys_another_completer_is_claiming_instead_of_waiting(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    for i in 0..8 {
+        abandon(
+            &app,
+            &api_key,
+            &format!("k-{i}"),
+            failpoints::AFTER_RIDE_CREATED,
+        )
+        .await;
+    }
+    past_grace(&app);
+    // Completer A is in the middle of its claim: it holds the row locks of four keys.
+    let mut a = app.pool.begin().await.unwrap();
+    let locked: Vec<i64> =
+        sqlx::query_scalar("SELECT id FROM idempotency_keys ORDER BY id LIMIT 4 FOR UPDATE")
+            .fetch_all(&mut *a)
+            .await
+            .unwrap();
+    // Completer B neither waits for A nor takes A's keys: it works the other four.
+    let b = tokio::time::timeout(
+        Duration::from_secs(10),
+        completer::run_once(&app.state, &settings()),
+    )
+    .await
+    .expect("completer B must not wait on completer A's locks")
+    .unwrap();
+    assert_eq!((b.claimed, b.finished), (4, 4));
+    let untouched: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys WHERE id = ANY($1) AND attempts = 1",
+    )
+    .bind(&locked)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(untouched, 4);
+    // A dies before committing; the next pass takes its four keys, each exactly once.
+    a.rollback().await.unwrap();
+    let next = completer::run_once(&app.state, &settings()).await.unwrap();
+    assert_eq!((next.claimed, next.finished), (4, 4));
+    assert_eq!(
+        app.count("SELECT count(*) FROM idempotency_keys WHERE attempts = 2")
+            .await,
+        8
+    );
+    assert_eq!((app.rides().await, app.charges().await), (8, 8));
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_completer_leaves_live_leases_and_young_keys_alone(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    abandon(&app, &api_key, "k-1", failpoints::AFTER_RIDE_CREATED).await;
+
+    // The dead request's lease still runs.
+    assert_eq!(
+        completer::run_once(&app.state, &settings())
+            .await
+            .unwrap()
+            .claimed,
+        0
+    );
+    // The lease is over, but the key is younger than the grace: its client may still retry.
+    app.clock.advance(TTL + Duration::from_secs(1));
+    assert_eq!(
+        completer::run_once(&app.state, &settings())
+            .await
+            .unwrap()
+            .claimed,
+        0
+    );
+    // Past the grace, the completer takes it.
+    app.clock.advance(settings().completer_grace);
+    let report = completer::run_once(&app.state, &settings()).await.unwrap();
+    assert_eq!((report.claimed, report.finished), (1, 1));
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_key_whose_gateway_keeps_failing_is_retried_with_backoff_and_stays_unfinished(
+    pool: PgPool,
+) {
+    let app = TestApp::start(pool).await;
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    abandon(&app, &api_key, "k-1", failpoints::AFTER_RIDE_CREATED).await;
+    app.set_faults(Faults {
+        fail_before_charge: 1.0,
+        ..Faults::default()
+    });
+    past_grace(&app);
+
+    let first = completer::run_once(&app.state, &settings()).await.unwrap();
+    assert_eq!((first.claimed, first.retried), (1, 1));
+    assert_eq!(
+        app.key_state(user_id).await,
+        Some(("ride_created".into(), false))
+    );
+    // Within the backoff (5 s), the key is left alone.
+    assert_eq!(
+        completer::run_once(&app.state, &settings())
+            .await
+            .unwrap()
+            .claimed,
+        0
+    );
+    app.clock.advance(Duration::from_secs(5));
+    let second = completer::run_once(&app.state, &settings()).await.unwrap();
+    assert_eq!(second.retried, 1);
+    // The backoff doubled: 5 s is not enough now, 10 s is.
+    app.clock.advance(Duration::from_secs(5));
+    assert_eq!(
+        completer::run_once(&app.state, &settings())
+            .await
+            .unwrap()
+            .claimed,
+        0
+    );
+    let key = app.state.store.list(true, 10).await.unwrap().remove(0);
+    assert_eq!(
+        key.attempts, 3,
+        "visible: the request and two completer attempts"
+    );
+    assert!(key.finished_at.is_none());
+    assert_eq!(app.charges().await, 0);
+
+    // The gateway recovers; the next attempt after the backoff finishes the key.
+    app.set_faults(Faults::default());
+    app.clock.advance(Duration::from_secs(5));
+    let last = completer::run_once(&app.state, &settings()).await.unwrap();
+    assert_eq!(last.finished, 1);
+    assert_eq!((app.rides().await, app.charges().await), (1, 1));
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_reaper_deletes_only_finished_keys_past_retention_and_keeps_the_rides(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    for i in 0..5 {
+        assert_eq!(
+            app.post_ride(Some(&api_key), Some(&format!("k-{i}")), RIDE)
+                .await
+                .status,
+            201
+        );
+    }
+    abandon(&app, &api_key, "stuck", failpoints::AFTER_RIDE_CREATED).await;
+    let settings = WorkerArgs {
+        reaper_batch: 2,
+        ..settings()
+    };
+
+    // Within retention nothing goes.
+    assert_eq!(reaper::run_once(&app.state, &settings).await.unwrap(), 0);
+    app.clock
+        .advance(settings.key_retention + Duration::from_secs(1));
+    // Five finished keys in batches of two; the unfinished one stays whatever its age.
+    assert_eq!(reaper::run_once(&app.state, &settings).await.unwrap(), 5);
+    assert_eq!(app.keys().await, 1);
+    assert_eq!(unfinished(&app).await, 1);
+    assert_eq!(app.rides().await, 6);
+    assert_eq!(
+        app.count("SELECT count(*) FROM rides WHERE idempotency_key_id IS NULL")
+            .await,
+        5
+    );
+
+    // After reaping, the old key string starts a new request.
+    let again = app.post_ride(Some(&api_key), Some("k-0"), RIDE).await;
+    assert_eq!(again.status, 201);
+    assert!(!again.replayed());
+    assert_eq!(app.rides().await, 7);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_drain_that_fails_between_effect_and_delete_loses_no_receipt_and_makes_no_second(
+    pool: PgPool,
+) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    for i in 0..2 {
+        app.post_ride(Some(&api_key), Some(&format!("k-{i}")), RIDE)
+            .await;
+    }
+    app.state.failpoints.arm(failpoints::AFTER_RECEIPT_EFFECT);
+    let err = outbox::run_once(&app.state, 100).await.unwrap_err();
+    assert!(matches!(err, outbox::DrainError::Crashed(_)), "{err}");
+    assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 0);
+    assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 2);
+
+    assert_eq!(outbox::run_once(&app.state, 100).await.unwrap(), 2);
+    assert_eq!(outbox::run_once(&app.state, 100).await.unwrap(), 0);
+    assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 2);
+    assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_job_delivered_twice_makes_one_receipt(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    // The same job again, as a drain that died after its effect and before its commit of the
+    // delete would leave it if effect and delete were not one transaction.
+    sqlx::query(
+        "INSERT INTO staged_jobs (job_name, job_args) SELECT job_name, job_args FROM staged_jobs",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(outbox::run_once(&app.state, 100).await.unwrap(), 2);
+    assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn two_drains_at_once_deliver_every_receipt_exactly_once(pool: PgPool) {
+    let app = Arc::new(TestApp::start(pool).await);
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    for i in 0..10 {
+        app.post_ride(Some(&api_key), Some(&format!("k-{i}")), RIDE)
+            .await;
+    }
+    let barrier = Arc::new(tokio::sync::Barrier::new(2));
+    let mut drains = Vec::new();
+    for _ in 0..2 {
+        let (app, barrier) = (app.clone(), barrier.clone());
+        drains.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let mut delivered = 0;
+            loop {
+                match outbox::run_once(&app.state, 3).await.unwrap() {
+                    0 => return delivered,
+                    n => delivered += n,
+                }
+            }
+        }));
+    }
+    let mut delivered = 0;
+    for drain in drains {
+        delivered += drain.await.unwrap();
+    }
+    assert_eq!(delivered, 10);
+    assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 10);
+    assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 0);
+}
+
+fn slow_gateway(latency_ms: u64) -> Faults {
+    Faults {
+        latency_ms,
+        ..Faults::default()
+    }
+}
+
+async fn app_with_heartbeat(pool: PgPool) -> TestApp {
+    let lease = LeaseArgs {
+        lease_ttl: TTL,
+        lease_heartbeat: Duration::from_millis(100),
+    };
+    TestApp::start_with_lease(pool, GatewayArgs::default(), lease).await
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_heartbeat_keeps_the_lease_of_a_slow_gateway_call(pool: PgPool) {
+    let app = Arc::new(app_with_heartbeat(pool).await);
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    app.set_faults(slow_gateway(1500));
+    let request = {
+        let (app, api_key) = (app.clone(), api_key.clone());
+        tokio::spawn(async move { app.post_ride(Some(&api_key), Some("k-1"), RIDE).await })
+    };
+    app.wait_for_point(user_id, "ride_created").await;
+    let renewed = |app: Arc<TestApp>, beyond: Duration| async move {
+        // The lease as renewed by the holder must end after the moved clock + most of a TTL.
+        let deadline = app.clock_now() + beyond;
+        for _ in 0..300 {
+            let until: Option<time::OffsetDateTime> =
+                sqlx::query_scalar("SELECT locked_until FROM idempotency_keys")
+                    .fetch_one(&app.pool)
+                    .await
+                    .unwrap();
+            if until.is_some_and(|u| u > deadline) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the lease was not renewed");
+    };
+    // Move time nearly a TTL on, twice, each time waiting for the holder to renew.
+    for _ in 0..2 {
+        app.clock.advance(TTL - Duration::from_secs(5));
+        renewed(app.clone(), Duration::from_secs(20)).await;
+    }
+    // 50 s after the claim, a 30 s lease would be over; the renewed one is not.
+    let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(second.status, 409);
+    let first = request.await.unwrap();
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!((app.rides().await, app.charges().await), (1, 1));
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_holder_whose_lease_was_taken_over_stops_and_writes_nothing(pool: PgPool) {
+    let app = Arc::new(app_with_heartbeat(pool).await);
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // Longer than the gateway timeout (10 s): without a heartbeat the holder would only learn of
+    // the takeover after the call timed out, and answer 503 instead of stopping at once.
+    app.set_faults(slow_gateway(20_000));
+    let request = {
+        let (app, api_key) = (app.clone(), api_key.clone());
+        tokio::spawn(async move { app.post_ride(Some(&api_key), Some("k-1"), RIDE).await })
+    };
+    app.wait_for_point(user_id, "ride_created").await;
+    // Another holder takes the key over while the first waits on the gateway.
+    app.expire_leases();
+    let key = IdempotencyKey::parse(b"k-1").unwrap();
+    let body: Value = serde_json::from_str(RIDE).unwrap();
+    let params = serde_json::to_value(RideRequest::validate(&body).unwrap()).unwrap();
+    let claim = app
+        .state
+        .store
+        .claim::<RidePoint>(NewRequest {
+            user_id,
+            method: "POST",
+            route: RIDES_ROUTE,
+            key: &key,
+            fingerprint: Fingerprint::of_json("POST", RIDES_ROUTE, &body),
+            params: &params,
+        })
+        .await
+        .unwrap();
+    let Claim::Acquired(taker) = claim else {
+        panic!("the takeover should acquire: {claim:?}")
+    };
+
+    // The first holder's next heartbeat finds the lease gone: it stops with 409, writing nothing.
+    let first = request.await.unwrap();
+    assert_eq!(first.status, 409, "{first:?}");
+    assert_eq!(first.problem_type(), types::LEASE_LOST);
+    assert_eq!(
+        app.key_state(user_id).await,
+        Some(("ride_created".into(), true))
+    );
+    assert_eq!(
+        app.count("SELECT count(*) FROM rides WHERE charge_id IS NOT NULL")
+            .await,
+        0
+    );
+
+    // The new holder carries on from ride_created under the same gateway key (the completer
+    // and retry tests show that path); the test ends here, with the gateway call still running.
+    drop(taker);
+}
+
+#[sqlx::test(migrations = false)]
+async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_resumable(
+    pool: PgPool,
+) {
+    let app = TestApp::start(pool).await;
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    app.set_faults(slow_gateway(1500));
+
+    // A real `rocket-rides serve` process, against the same database and gateway.
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let mut server = tokio::process::Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
+        .arg("serve")
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--shutdown-deadline")
+        .arg("200ms")
+        .env("DATABASE_URL", common::url_of(&app.pool).await)
+        .env("STRIPE_API_BASE", app.state.stripe.base())
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut up = false;
+    for _ in 0..200 {
+        if app.http.get(format!("{base}/healthz")).send().await.is_ok() {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(up, "the server did not come up");
+
+    let request = {
+        let (http, api_key, base) = (app.http.clone(), api_key.clone(), base.clone());
+        tokio::spawn(async move {
+            http.post(format!("{base}/rides"))
+                .bearer_auth(api_key)
+                .header("idempotency-key", "k-1")
+                .body(RIDE)
+                .send()
+                .await
+        })
+    };
+    app.wait_for_point(user_id, "ride_created").await;
+    let pid = server.id().unwrap().to_string();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+
+    let status = tokio::time::timeout(Duration::from_secs(10), server.wait())
+        .await
+        .expect("the server exits within the shutdown deadline and a margin")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    let answer = request.await.unwrap().unwrap();
+    assert_eq!(answer.status(), 503);
+    assert_eq!(answer.headers()["retry-after"], "1");
+    // The key is free, at its recovery point: the retry, served by another instance, resumes.
+    assert_eq!(
+        app.key_state(user_id).await,
+        Some(("ride_created".into(), false))
+    );
+    app.set_faults(Faults::default());
+    let done = app.post_until_final(&api_key, "k-1", RIDE).await;
+    assert_eq!(done.status, 201, "{done:?}");
+    assert_eq!((app.rides().await, app.charges().await), (1, 1));
+}
