@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: makes PostgreSQL available (scripts/postgres.sh), then runs every test of
 # the workspace against it. Each database test gets a fresh database of its own (#[sqlx::test]).
+# Ends with one line that totals every test binary's result: "N passed, M failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,4 +9,11 @@ DATABASE_URL=$(scripts/postgres.sh)
 export DATABASE_URL
 echo "test.sh: using $DATABASE_URL" >&2
 
-cargo test --workspace --locked "$@"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --workspace --locked --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
+# cargo prints one "test result: ok. 12 passed; 0 failed; …" line per test binary.
+sed -n 's/^test result: [a-zA-Z]*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\1 \2/p' "$log" |
+    awk '{ p += $1; f += $2 } END { printf "%d passed, %d failed\n", p, f }'
+exit "$status"
