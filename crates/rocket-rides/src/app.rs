@@ -60,7 +60,7 @@ impl AppState {
             heartbeat: lease.lease_heartbeat,
             giving_up: Signal::never(),
             #[cfg(feature = "failpoints")]
-            failpoints: Default::default(),
+            failpoints: crate::failpoints::Failpoints::from_env().map_err(anyhow::Error::msg)?,
         })
     }
 }

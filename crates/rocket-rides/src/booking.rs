@@ -201,7 +201,12 @@ async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
         .await
         .map_err(db("load customer"))?;
 
-    let gateway_key = gateway_key(lease.key_id());
+    let gateway_key = if crate::failpoints::fresh_gateway_key(state) {
+        // The chaos harness's negative control: the bug this whole design exists to prevent.
+        format!("{}:attempt-{}", gateway_key(lease.key_id()), lease.token())
+    } else {
+        gateway_key(lease.key_id())
+    };
     let description = format!("Rocket Rides ride {}", ride.ride_id);
     let call = state.stripe.create_charge(
         &gateway_key,

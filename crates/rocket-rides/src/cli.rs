@@ -72,6 +72,9 @@ enum Command {
         #[command(flatten)]
         shutdown: ShutdownArgs,
     },
+    /// Break the real processes on purpose and audit that every invariant held.
+    #[cfg(feature = "chaos")]
+    Chaos(crate::chaos::ChaosArgs),
     /// Inspect idempotency keys: recovery points, leases, attempts.
     Keys {
         #[command(subcommand)]
@@ -194,6 +197,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 tracing::info!("stopped");
             }
         }
+        #[cfg(feature = "chaos")]
+        Command::Chaos(args) => crate::chaos::run_and_print(args).await?,
         Command::Keys { command } => {
             let (db, which) = match command {
                 KeysCommand::List {

@@ -1,14 +1,17 @@
-//! Crash points inside the phase machine, armable only in builds with the `failpoints` feature.
+//! Crash points inside the phase machine, and sabotage switches for the chaos harness's negative
+//! control. Both exist only in builds with the `failpoints` feature (tests, `rocket-rides chaos`);
+//! a production build has neither, and nothing on the request surface can reach them.
 //!
-//! A test arms a point on the service's state; when the request passes it, the request stops
-//! right there as if the process had died: no further phase, no lease release, no response body
-//! of substance. The lease is left to expire, exactly as after a real crash. Nothing on the
-//! request surface can arm a point.
-
-#[cfg(feature = "failpoints")]
-use std::collections::HashSet;
-#[cfg(feature = "failpoints")]
-use std::sync::{Arc, Mutex};
+//! Two ways to make a point fire:
+//! - a test **arms** it on the service's state: the next request that passes it stops right there
+//!   as if the process had died (no further phase, no lease release), and disarms it;
+//! - a chaos run sets `ROCKET_RIDES_FAILPOINTS=after_ride_created=0.02,…` (with
+//!   `ROCKET_RIDES_FAILPOINT_SEED`) for the processes it spawns: a request passing a point exits
+//!   the whole process with that probability, with the point's exit code ([`exit_code`]), so the
+//!   harness can tell which crash it caused.
+//!
+//! `ROCKET_RIDES_SABOTAGE=fresh-gateway-key` makes the service call the gateway under a new key on
+//! every attempt instead of the key derived from the key row: the bug the harness must catch.
 
 /// After the phase that creates the ride has committed.
 pub const AFTER_RIDE_CREATED: &str = "after_ride_created";
@@ -18,38 +21,185 @@ pub const AFTER_GATEWAY_CHARGE: &str = "after_gateway_charge";
 pub const AFTER_CHARGE_CREATED: &str = "after_charge_created";
 /// After the final phase has committed, before the response leaves.
 pub const AFTER_FINISHED: &str = "after_finished";
-
 /// In the outbox drain, after a receipt was written and before its job is deleted.
 pub const AFTER_RECEIPT_EFFECT: &str = "after_receipt_effect";
 
-/// The armed points. Each fires once, then disarms itself.
-#[cfg(feature = "failpoints")]
-#[derive(Debug, Clone, Default)]
-pub struct Failpoints(Arc<Mutex<HashSet<&'static str>>>);
+/// Every point, in the order of a request's life.
+pub const ALL: [&str; 5] = [
+    AFTER_RIDE_CREATED,
+    AFTER_GATEWAY_CHARGE,
+    AFTER_CHARGE_CREATED,
+    AFTER_FINISHED,
+    AFTER_RECEIPT_EFFECT,
+];
+
+/// The environment variable with crash probabilities per point.
+pub const FAILPOINTS_ENV: &str = "ROCKET_RIDES_FAILPOINTS";
+/// The environment variable with the seed of the crash draws.
+pub const FAILPOINT_SEED_ENV: &str = "ROCKET_RIDES_FAILPOINT_SEED";
+/// The environment variable with sabotage switches.
+pub const SABOTAGE_ENV: &str = "ROCKET_RIDES_SABOTAGE";
+/// The sabotage that derives a fresh gateway key per attempt.
+pub const SABOTAGE_FRESH_GATEWAY_KEY: &str = "fresh-gateway-key";
+
+/// The exit code of a process that crashed at `point` (81 and up, in the order of [`ALL`]).
+pub fn exit_code(point: &str) -> Option<i32> {
+    ALL.iter().position(|p| *p == point).map(|i| 81 + i as i32)
+}
+
+/// The point whose crash exits with `code`.
+pub fn point_of_exit_code(code: i32) -> Option<&'static str> {
+    usize::try_from(code - 81)
+        .ok()
+        .and_then(|i| ALL.get(i).copied())
+}
 
 #[cfg(feature = "failpoints")]
-impl Failpoints {
-    /// Arms `point` for the next request that passes it.
-    pub fn arm(&self, point: &'static str) {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(point);
+pub use armed::Failpoints;
+
+#[cfg(feature = "failpoints")]
+mod armed {
+    use std::collections::{HashMap, HashSet};
+    use std::sync::{Arc, Mutex};
+
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    /// The armed points, the crash probabilities and the sabotage switches of one process.
+    #[derive(Debug, Clone)]
+    pub struct Failpoints {
+        armed: Arc<Mutex<HashSet<&'static str>>>,
+        crash: Arc<HashMap<&'static str, f64>>,
+        rng: Arc<Mutex<StdRng>>,
+        fresh_gateway_key: bool,
     }
 
-    /// Whether `point` is armed; disarms it.
-    pub fn fire(&self, point: &'static str) -> bool {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(point)
+    impl Default for Failpoints {
+        fn default() -> Self {
+            Self {
+                armed: Default::default(),
+                crash: Default::default(),
+                rng: Arc::new(Mutex::new(StdRng::seed_from_u64(0))),
+                fresh_gateway_key: false,
+            }
+        }
+    }
+
+    impl Failpoints {
+        /// Reads [`FAILPOINTS_ENV`], [`FAILPOINT_SEED_ENV`] and [`SABOTAGE_ENV`]; none set means
+        /// no crashes and no sabotage.
+        pub fn from_env() -> Result<Self, String> {
+            let mut points = Self::default();
+            if let Ok(spec) = std::env::var(FAILPOINTS_ENV) {
+                points.crash = Arc::new(parse_crashes(&spec)?);
+            }
+            if let Ok(seed) = std::env::var(FAILPOINT_SEED_ENV) {
+                let seed = seed
+                    .parse()
+                    .map_err(|_| format!("{FAILPOINT_SEED_ENV}={seed:?} is not an integer"))?;
+                points.rng = Arc::new(Mutex::new(StdRng::seed_from_u64(seed)));
+            }
+            if let Ok(sabotage) = std::env::var(SABOTAGE_ENV) {
+                for name in sabotage.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                    match name {
+                        SABOTAGE_FRESH_GATEWAY_KEY => points.fresh_gateway_key = true,
+                        other => return Err(format!("{SABOTAGE_ENV}: unknown sabotage {other:?}")),
+                    }
+                }
+            }
+            Ok(points)
+        }
+
+        /// Arms `point` for the next request that passes it.
+        pub fn arm(&self, point: &'static str) {
+            self.armed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(point);
+        }
+
+        /// Whether `point` is armed; disarms it.
+        pub fn fire(&self, point: &'static str) -> bool {
+            self.armed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(point)
+        }
+
+        /// Exits the process at `point` with its configured probability.
+        pub fn maybe_crash(&self, point: &'static str) {
+            let Some(&probability) = self.crash.get(point) else {
+                return;
+            };
+            let draw: f64 = self.rng.lock().unwrap_or_else(|e| e.into_inner()).random();
+            if draw < probability {
+                // A crash, not a shutdown: no destructor, no lease release, no response.
+                std::process::exit(exit_code(point).unwrap_or(80));
+            }
+        }
+
+        /// Whether the gateway key must be fresh per attempt (the negative control's bug).
+        pub fn fresh_gateway_key(&self) -> bool {
+            self.fresh_gateway_key
+        }
+    }
+
+    fn parse_crashes(spec: &str) -> Result<HashMap<&'static str, f64>, String> {
+        let mut crashes = HashMap::new();
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (name, probability) = item
+                .split_once('=')
+                .ok_or_else(|| format!("{FAILPOINTS_ENV}: {item:?} is not point=probability"))?;
+            let point = ALL
+                .iter()
+                .find(|p| **p == name.trim())
+                .ok_or_else(|| format!("{FAILPOINTS_ENV}: unknown point {name:?}"))?;
+            let probability: f64 = probability
+                .trim()
+                .parse()
+                .ok()
+                .filter(|p| (0.0..=1.0).contains(p))
+                .ok_or_else(|| {
+                    format!("{FAILPOINTS_ENV}: probability of {name} must be in [0, 1]")
+                })?;
+            crashes.insert(*point, probability);
+        }
+        Ok(crashes)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn crash_specs_parse_and_bad_ones_are_refused() {
+            let ok = parse_crashes("after_ride_created=0.5, after_finished=1").unwrap();
+            assert_eq!(ok[AFTER_RIDE_CREATED], 0.5);
+            assert_eq!(ok[AFTER_FINISHED], 1.0);
+            assert!(parse_crashes("nowhere=0.1").is_err());
+            assert!(parse_crashes("after_finished=2").is_err());
+            assert!(parse_crashes("after_finished").is_err());
+        }
+
+        #[test]
+        fn exit_codes_name_their_point() {
+            for point in ALL {
+                assert_eq!(point_of_exit_code(exit_code(point).unwrap()), Some(point));
+            }
+            assert_eq!(point_of_exit_code(0), None);
+            assert_eq!(point_of_exit_code(137), None);
+        }
     }
 }
 
-/// Whether the request or job passing `point` must stop here as if the process died. Always
-/// false in builds without the `failpoints` feature.
+/// Whether the request or job passing `point` must stop here as if the process died (a test
+/// armed it). A configured crash exits the process instead of returning. Always false in builds
+/// without the `failpoints` feature.
 #[cfg(feature = "failpoints")]
 pub(crate) fn hit(state: &crate::app::AppState, point: &'static str) -> bool {
+    state.failpoints.maybe_crash(point);
     state.failpoints.fire(point)
 }
 
@@ -57,5 +207,17 @@ pub(crate) fn hit(state: &crate::app::AppState, point: &'static str) -> bool {
 /// false in builds without the `failpoints` feature.
 #[cfg(not(feature = "failpoints"))]
 pub(crate) fn hit(_state: &crate::app::AppState, _point: &'static str) -> bool {
+    false
+}
+
+/// Whether the gateway key must be fresh per attempt (the chaos harness's negative control).
+#[cfg(feature = "failpoints")]
+pub(crate) fn fresh_gateway_key(state: &crate::app::AppState) -> bool {
+    state.failpoints.fresh_gateway_key()
+}
+
+/// Always false in builds without the `failpoints` feature.
+#[cfg(not(feature = "failpoints"))]
+pub(crate) fn fresh_gateway_key(_state: &crate::app::AppState) -> bool {
     false
 }

@@ -496,3 +496,31 @@ async fn the_database_itself_refuses_a_second_ride_per_key_and_a_charge_on_two_r
     }
     assert_eq!(app.rides().await, 1);
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_gateway_that_times_out_after_charging_is_a_503_and_the_retry_gets_that_charge(
+    pool: PgPool,
+) {
+    // The story this project exists for: the gateway charges, but too slowly; we give up waiting.
+    let gateway = rocket_rides::config::GatewayArgs {
+        gateway_timeout: std::time::Duration::from_millis(300),
+        gateway_connect_timeout: std::time::Duration::from_millis(300),
+        ..Default::default()
+    };
+    let app = TestApp::start_with(pool, gateway).await;
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    app.set_faults(Faults {
+        latency_ms: 1000,
+        ..Faults::default()
+    });
+    let timed_out = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(timed_out.status, 503, "{timed_out:?}");
+    assert_eq!(app.recovery_point(user_id).await, "ride_created");
+
+    // The gateway finishes the charge on its own; the client's retries (409 at the gateway while
+    // it runs, then its replay) end with the charge it made, not a second one.
+    app.set_faults(Faults::default());
+    let done = app.post_until_final(&api_key, "k-1", RIDE).await;
+    assert_eq!(done.status, 201, "{done:?}");
+    assert_one_paid_ride(&app).await;
+}

@@ -1,0 +1,270 @@
+//! The clients: each request gets a fresh key and is retried with that same key, with exponential
+//! backoff and jitter, honouring `Retry-After`, until it has a final answer or its time is up.
+//! Everything a client received is kept for the auditor.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::recorder::Recorder;
+
+/// One user of the run.
+#[derive(Debug, Clone)]
+pub(crate) struct ClientUser {
+    pub id: i64,
+    pub api_key: String,
+    pub declines: bool,
+}
+
+/// One answer, as the client got it.
+#[derive(Debug, Clone)]
+pub(crate) struct Answer {
+    /// `None`: no HTTP answer (connection refused, reset, timed out).
+    pub status: Option<u16>,
+    pub replayed: bool,
+    /// Kept for final answers (201, 402) only, for the replay check.
+    pub body: Option<Vec<u8>>,
+}
+
+/// One request and everything that happened to it.
+#[derive(Debug, Clone)]
+pub(crate) struct RequestLog {
+    pub user: ClientUser,
+    pub key: String,
+    pub amount_cents: i64,
+    /// The exact body sent, for the verification replay.
+    pub body: String,
+    pub answers: Vec<Answer>,
+    /// The final status, if one came before the client gave up.
+    pub final_status: Option<u16>,
+    pub latency_ms: f64,
+}
+
+/// How the clients behave.
+#[derive(Debug, Clone)]
+pub(crate) struct ClientPlan {
+    pub seed: u64,
+    pub requests: u64,
+    pub concurrency: u32,
+    /// Where to send: one address per API instance (each behind its network proxy).
+    pub targets: Vec<SocketAddr>,
+    pub users: Vec<ClientUser>,
+    /// Time limit of one attempt.
+    pub attempt_timeout: Duration,
+    /// After this long without a final answer, the client gives up; the completer must finish.
+    pub give_up_after: Duration,
+}
+
+/// First retry delay; doubles per attempt up to [`MAX_BACKOFF`].
+const BASE_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest pause between two attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Runs every client to completion; `done` counts finished requests for the progress bar.
+pub(crate) async fn run(
+    plan: Arc<ClientPlan>,
+    recorder: Recorder,
+    done: Arc<AtomicU64>,
+) -> Vec<RequestLog> {
+    let next = Arc::new(AtomicU64::new(0));
+    let http = reqwest::Client::builder()
+        .timeout(plan.attempt_timeout)
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("a plain HTTP client builds");
+    let mut clients = tokio::task::JoinSet::new();
+    for client in 0..plan.concurrency {
+        let (plan, recorder, done, next, http) = (
+            plan.clone(),
+            recorder.clone(),
+            done.clone(),
+            next.clone(),
+            http.clone(),
+        );
+        clients.spawn(async move {
+            let mut rng = StdRng::seed_from_u64(plan.seed ^ (u64::from(client) << 32));
+            let mut logs = Vec::new();
+            loop {
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                if index >= plan.requests {
+                    return logs;
+                }
+                logs.push(one_request(&plan, &http, &recorder, &mut rng, index).await);
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+    }
+    let mut logs = Vec::new();
+    while let Some(result) = clients.join_next().await {
+        // A client task panicking is a harness bug: fail loudly.
+        logs.extend(result.expect("client task"));
+    }
+    logs
+}
+
+async fn one_request(
+    plan: &ClientPlan,
+    http: &reqwest::Client,
+    recorder: &Recorder,
+    rng: &mut StdRng,
+    index: u64,
+) -> RequestLog {
+    let user = plan.users[rng.random_range(0..plan.users.len())].clone();
+    let amount_cents = rng.random_range(50..=100_000);
+    let body = format!(
+        r#"{{"origin_lat": {:.5}, "origin_lon": {:.5}, "target_lat": {:.5}, "target_lon": {:.5}, "amount_cents": {amount_cents}}}"#,
+        rng.random_range(-90.0..=90.0),
+        rng.random_range(-180.0..=180.0),
+        rng.random_range(-90.0..=90.0),
+        rng.random_range(-180.0..=180.0),
+    );
+    let key = format!("chaos-{}-{index}", plan.seed);
+    let started = Instant::now();
+    let mut log = RequestLog {
+        user,
+        key,
+        amount_cents,
+        body: body.clone(),
+        answers: Vec::new(),
+        final_status: None,
+        latency_ms: 0.0,
+    };
+    let mut attempt = 0u32;
+    loop {
+        let target = plan.targets[rng.random_range(0..plan.targets.len())];
+        let sent = http
+            .post(format!("http://{target}/rides"))
+            .bearer_auth(&log.user.api_key)
+            .header("idempotency-key", &log.key)
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await;
+        let (answer, retry_after) = match sent {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                let replayed = response.headers().get("idempotent-replayed").is_some();
+                let retry_after = response
+                    .headers()
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .map(Duration::from_secs);
+                match response.bytes().await {
+                    Ok(bytes) => {
+                        let keep = matches!(status, 201 | 402).then(|| bytes.to_vec());
+                        (
+                            Answer {
+                                status: Some(status),
+                                replayed,
+                                body: keep,
+                            },
+                            retry_after,
+                        )
+                    }
+                    // Headers came, the body did not: as good as no answer.
+                    Err(_) => (
+                        Answer {
+                            status: None,
+                            replayed: false,
+                            body: None,
+                        },
+                        None,
+                    ),
+                }
+            }
+            Err(_) => (
+                Answer {
+                    status: None,
+                    replayed: false,
+                    body: None,
+                },
+                None,
+            ),
+        };
+        recorder.response(
+            &answer
+                .status
+                .map_or_else(|| "transport_error".to_owned(), |s| s.to_string()),
+        );
+        let status = answer.status;
+        log.answers.push(answer);
+        match status {
+            // Final answers, and client errors that no retry can change.
+            Some(s) if !matches!(s, 409 | 500..=599) => {
+                log.final_status = Some(s);
+                break;
+            }
+            _ => {}
+        }
+        attempt += 1;
+        let backoff = BASE_BACKOFF
+            .saturating_mul(1 << attempt.min(5))
+            .min(MAX_BACKOFF);
+        let jittered = backoff.mul_f64(rng.random_range(0.5..=1.0));
+        let wait = retry_after.map_or(jittered, |after| after.max(jittered));
+        if started.elapsed() + wait >= plan.give_up_after {
+            break;
+        }
+        tokio::time::sleep(wait).await;
+    }
+    log.latency_ms = started.elapsed().as_secs_f64() * 1000.0;
+    log
+}
+
+/// After the run, asks once more for every request, with no fault in the way: each must now
+/// have a final answer, replayed, equal to the first final answer its client saw. Requests whose
+/// clients gave up get the answer the completer stored. These answers are not part of the
+/// traffic figures; the auditor reads them from the logs.
+pub(crate) async fn verify(plan: &ClientPlan, logs: &mut [RequestLog]) {
+    let http = reqwest::Client::builder()
+        .timeout(plan.attempt_timeout)
+        .build()
+        .expect("a plain HTTP client builds");
+    let target = plan.targets[0];
+    let permits = Arc::new(tokio::sync::Semaphore::new(plan.concurrency as usize));
+    let mut asks = tokio::task::JoinSet::new();
+    for (i, log) in logs.iter().enumerate() {
+        let (http, permits) = (http.clone(), permits.clone());
+        let (api_key, key) = (log.user.api_key.clone(), log.key.clone());
+        let body = log.body.clone();
+        asks.spawn(async move {
+            // The semaphore is never closed.
+            let _permit = permits.acquire_owned().await.expect("semaphore is open");
+            let sent = http
+                .post(format!("http://{target}/rides"))
+                .bearer_auth(api_key)
+                .header("idempotency-key", key)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await;
+            let answer = match sent {
+                Ok(response) => {
+                    let status = response.status().as_u16();
+                    let replayed = response.headers().get("idempotent-replayed").is_some();
+                    let body = response.bytes().await.ok().map(|b| b.to_vec());
+                    Answer {
+                        status: Some(status),
+                        replayed,
+                        body,
+                    }
+                }
+                Err(_) => Answer {
+                    status: None,
+                    replayed: false,
+                    body: None,
+                },
+            };
+            (i, answer)
+        });
+    }
+    while let Some(result) = asks.join_next().await {
+        let (i, answer) = result.expect("verification task");
+        logs[i].answers.push(answer);
+    }
+}

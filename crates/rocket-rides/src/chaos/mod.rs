@@ -1,0 +1,626 @@
+//! `rocket-rides chaos`: starts the real programs, sends payments through them while killing and
+//! cutting them, then proves from the databases and the clients' records that every invariant
+//! held.
+//!
+//! ```text
+//!  clients ──proxy──► api-0 ┐                       ┌─ fakestripe (in-process, faults on)
+//!  clients ──proxy──► api-1 ├─proxy─► gateway ──────┘
+//!  clients ──proxy──► api-2 ┘        (network faults)
+//!             worker (completer, drain, reaper)      PostgreSQL (pg_terminate_backend)
+//!  killers: SIGKILL api-i / worker at random · failpoints: crash at exact points (exit codes)
+//! ```
+//!
+//! The run: a fresh database, the gateway, K API processes and a worker (this same binary, built
+//! with failpoints), users (some with declining cards), C clients sending N requests with fresh
+//! keys, every fault on. Then the faults stop, a calm worker finishes what was abandoned, every
+//! request is asked once more (the replay must equal the first answer), and the auditor checks
+//! the invariants. The exit status is 0 only if all of them hold.
+
+mod audit;
+mod clients;
+pub mod html;
+mod processes;
+pub mod proxy;
+mod recorder;
+pub mod report;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::ConnectOptions;
+
+use self::clients::{ClientPlan, ClientUser};
+use self::processes::{ProcessSpec, Supervised};
+use self::proxy::{Proxy, ProxyFaults};
+use self::recorder::Recorder;
+use self::report::{Percentiles, Report};
+
+/// What `--without` can take away, to show that the auditor catches the damage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Sabotage {
+    /// Call the gateway under a fresh key per attempt instead of the key derived from the key
+    /// row: retries after "charged, then no answer" charge twice.
+    DerivedKey,
+}
+
+/// A fault family that can be switched off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FaultFamily {
+    /// SIGKILL of API processes and of the worker.
+    Kill,
+    /// Process crashes at exact points of the phase machine (failpoints).
+    Crash,
+    /// Gateway latency, errors before and after charging, dropped connections, 409 in flight.
+    Gateway,
+    /// Delay, reset and blackhole on the loopback proxies.
+    Network,
+    /// `pg_terminate_backend` of the service's database connections.
+    Database,
+}
+
+/// `rocket-rides chaos` options.
+#[derive(Debug, Clone, Args)]
+pub struct ChaosArgs {
+    /// PostgreSQL server URL; the run creates a fresh database on that server.
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: String,
+    /// Requests to send (each with a fresh key, retried with it).
+    #[arg(long, default_value_t = 2500, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub requests: u64,
+    /// Seed of every random choice of the run (faults, schedule, payloads). Random if not given.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u32).range(1..=512))]
+    pub concurrency: u32,
+    /// API processes (separate OS processes on loopback ports).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub api_instances: u32,
+    /// Users to spread the requests over; a fifth of them have declining cards.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub users: u32,
+    /// Switch a fault family off (repeatable).
+    #[arg(long = "no", value_enum)]
+    pub no: Vec<FaultFamily>,
+    /// Sabotage a protection, to show the auditor catches it (the negative control).
+    #[arg(long = "without", value_enum)]
+    pub without: Vec<Sabotage>,
+    /// A client gives up on a request after this long; the completer must then finish it.
+    /// Shorter than the API's lease (8 s), so that requests caught by a crash are often
+    /// abandoned by their clients and left to the completer.
+    #[arg(long, value_parser = crate::config::parse_duration, default_value = "6s")]
+    pub give_up_after: Duration,
+    /// Where the report, the HTML page and the processes' logs go.
+    #[arg(long, default_value = "target/chaos")]
+    pub report_dir: PathBuf,
+    /// Keep the run's database afterwards. By default it is dropped when the audit passes and
+    /// kept for inspection when it fails.
+    #[arg(long, conflicts_with = "drop_database")]
+    pub keep_database: bool,
+    /// Drop the run's database afterwards even when the audit fails (tests of the harness).
+    #[arg(long)]
+    pub drop_database: bool,
+}
+
+/// The lease of the API processes: short, so that abandoned keys are taken over within the run.
+/// It must stay at least the gateway timeout + 5 s (checked by the processes themselves).
+const LEASE_TTL: &str = "8s";
+const GATEWAY_TIMEOUT: &str = "2s";
+const GATEWAY_CONNECT_TIMEOUT: &str = "500ms";
+const LEASE_HEARTBEAT: &str = "3s";
+/// The completer's grace: above the lease TTL, as the worker requires.
+const COMPLETER_GRACE: &str = "9s";
+/// How long the calm final pass may take to finish every key before the audit says so.
+const FINAL_PASS_LIMIT: Duration = Duration::from_secs(120);
+/// The secret key the run's services use at the gateway.
+const GATEWAY_SECRET: &str = "sk_test_chaos";
+
+/// Runs the scenario and returns its report; `report.passed` says whether every invariant held.
+pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
+    let seed = args.seed.unwrap_or_else(|| {
+        use rand::TryRngCore;
+        // A fresh seed from the OS, printed below so that the run can be repeated.
+        rand::rngs::OsRng
+            .try_next_u64()
+            .expect("the OS random generator works")
+    });
+    let mut rng = StdRng::seed_from_u64(seed);
+    let on = |family| !args.no.contains(&family);
+    let started_at = time::OffsetDateTime::now_utc();
+    let run_name = format!("chaos-{}-{seed}", started_at.unix_timestamp());
+    let dir = args.report_dir.join(&run_name);
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    eprintln!(
+        "chaos: seed {seed}, {} requests, {} clients, {} API processes; reports in {}",
+        args.requests,
+        args.concurrency,
+        args.api_instances,
+        dir.display()
+    );
+
+    // A fresh database on the server.
+    let server: PgConnectOptions = args.database_url.parse().context("parse DATABASE_URL")?;
+    let database = format!("rocket_rides_{}", run_name.replace('-', "_"));
+    let mut admin = server
+        .clone()
+        .connect()
+        .await
+        .context("connect to PostgreSQL")?;
+    sqlx::query(&format!("CREATE DATABASE {database}"))
+        .execute(&mut admin)
+        .await?;
+    let options = server.clone().database(&database);
+    let database_url = options.to_url_lossy().to_string();
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(options.clone().application_name("chaos-auditor"))
+        .await?;
+    crate::db::migrate(&pool).await?;
+
+    // The gateway, in-process, and the network between the API and it.
+    let recorder = Recorder::new();
+    let gateway_pool = fakestripe::connect(&database_url).await?;
+    let gateway_faults = fakestripe::Faults {
+        latency_ms: 10,
+        jitter_ms: 40,
+        fail_before_charge: 0.03,
+        fail_after_charge: 0.03,
+        drop_after_charge: 0.03,
+        conflict_in_flight: 0.02,
+        seed: Some(rng.random()),
+    };
+    let gateway = fakestripe::AppState::new(
+        gateway_pool,
+        if on(FaultFamily::Gateway) {
+            gateway_faults.clone()
+        } else {
+            fakestripe::Faults::default()
+        },
+    );
+    let gateway_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let gateway_addr = gateway_listener.local_addr()?;
+    let (stop_gateway, gateway_stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(fakestripe::serve(
+        gateway_listener,
+        fakestripe::router(gateway.clone()),
+        async {
+            let _ = gateway_stopped.await;
+        },
+    ));
+    let network = if on(FaultFamily::Network) {
+        ProxyFaults {
+            delay_ms: 0,
+            jitter_ms: 20,
+            reset_probability: 0.03,
+            blackhole_probability: 0.005,
+        }
+    } else {
+        ProxyFaults::default()
+    };
+    let gateway_proxy =
+        Arc::new(Proxy::start("api-gateway", gateway_addr, network, rng.random()).await?);
+
+    // Users, created through the gateway directly (setup is not under test).
+    let stripe = crate::stripe::StripeClient::new(
+        &format!("http://{gateway_addr}"),
+        GATEWAY_SECRET,
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+    )?;
+    gateway.set_faults(fakestripe::Faults::default());
+    let mut users = Vec::new();
+    let mut declining_customers = Vec::new();
+    for i in 0..args.users {
+        let declines = i % 5 == 4;
+        let card = if declines {
+            "tok_chargeCustomerFail"
+        } else {
+            "tok_visa"
+        };
+        let user =
+            crate::users::create_user(&pool, &stripe, &format!("rider{i}@chaos.example"), card)
+                .await?;
+        if declines {
+            declining_customers.push(user.stripe_customer_id.clone());
+        }
+        users.push(ClientUser {
+            id: user.id,
+            api_key: user.api_key,
+            declines,
+        });
+    }
+    if on(FaultFamily::Gateway) {
+        gateway.set_faults(gateway_faults);
+    }
+
+    // The API processes and the worker: this binary, with failpoints compiled in.
+    let program = std::env::current_exe().context("locate this binary")?;
+    let crash_spec = "after_ride_created=0.004,after_gateway_charge=0.004,\
+                      after_charge_created=0.004,after_finished=0.004,after_receipt_effect=0.004";
+    let mut env = vec![
+        ("DATABASE_URL".to_owned(), database_url.clone()),
+        (
+            "STRIPE_API_BASE".to_owned(),
+            format!("http://{}", gateway_proxy.local_addr()),
+        ),
+        ("STRIPE_API_KEY".to_owned(), GATEWAY_SECRET.to_owned()),
+        ("LEASE_TTL".to_owned(), LEASE_TTL.to_owned()),
+        ("GATEWAY_TIMEOUT".to_owned(), GATEWAY_TIMEOUT.to_owned()),
+        (
+            "GATEWAY_CONNECT_TIMEOUT".to_owned(),
+            GATEWAY_CONNECT_TIMEOUT.to_owned(),
+        ),
+        ("LEASE_HEARTBEAT".to_owned(), LEASE_HEARTBEAT.to_owned()),
+        ("SHUTDOWN_DEADLINE".to_owned(), "1s".to_owned()),
+        ("DATABASE_MAX_CONNECTIONS".to_owned(), "10".to_owned()),
+        ("RUST_LOG".to_owned(), "warn".to_owned()),
+        ("NO_COLOR".to_owned(), "1".to_owned()),
+    ];
+    if !args.without.is_empty() {
+        env.push((
+            crate::failpoints::SABOTAGE_ENV.to_owned(),
+            crate::failpoints::SABOTAGE_FRESH_GATEWAY_KEY.to_owned(),
+        ));
+    }
+    let crash_env = |seed: u64| {
+        let mut env = env.clone();
+        if on(FaultFamily::Crash) {
+            env.push((
+                crate::failpoints::FAILPOINTS_ENV.to_owned(),
+                crash_spec.to_owned(),
+            ));
+            env.push((
+                crate::failpoints::FAILPOINT_SEED_ENV.to_owned(),
+                seed.to_string(),
+            ));
+        }
+        env
+    };
+    let mut apis = Vec::new();
+    let mut targets = Vec::new();
+    let mut client_proxies = Vec::new();
+    for i in 0..args.api_instances {
+        let port = free_port()?;
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        apis.push(Supervised::start(
+            ProcessSpec {
+                name: format!("api-{i}"),
+                kill_kind: "kill_api",
+                program: program.clone(),
+                args: vec!["serve".into(), "--listen".into(), addr.to_string()],
+                env: crash_env(rng.random()),
+                log: dir.join(format!("api-{i}.log")),
+                restart_delay: Duration::from_millis(300),
+            },
+            recorder.clone(),
+        ));
+        let proxy =
+            Arc::new(Proxy::start(&format!("client-api-{i}"), addr, network, rng.random()).await?);
+        targets.push(proxy.local_addr());
+        client_proxies.push(proxy);
+    }
+    let worker_args = |env| ProcessSpec {
+        name: "worker".into(),
+        kill_kind: "kill_worker",
+        program: program.clone(),
+        args: [
+            "worker",
+            "--completer-interval",
+            "300ms",
+            "--completer-grace",
+            COMPLETER_GRACE,
+            "--completer-backoff",
+            "500ms",
+            "--completer-backoff-max",
+            "3s",
+            "--drain-interval",
+            "200ms",
+            // Small drain transactions: a crash in one redoes ten jobs, not a hundred.
+            "--drain-batch",
+            "10",
+        ]
+        .map(String::from)
+        .to_vec(),
+        env,
+        log: dir.join("worker.log"),
+        restart_delay: Duration::from_millis(500),
+    };
+    let worker = Supervised::start(worker_args(crash_env(rng.random())), recorder.clone());
+    wait_until_serving(&targets).await?;
+
+    // Killers and the sampler of the gateway's and proxies' fault counters.
+    let stop = Arc::new(AtomicBool::new(false));
+    let apis = Arc::new(apis);
+    let mut background = tokio::task::JoinSet::new();
+    if on(FaultFamily::Kill) {
+        let (apis, stop, mut rng) = (
+            apis.clone(),
+            stop.clone(),
+            StdRng::seed_from_u64(rng.random()),
+        );
+        background.spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(rng.random_range(1500..4000))).await;
+                apis[rng.random_range(0..apis.len())].kill();
+            }
+        });
+    }
+    let worker = Arc::new(worker);
+    if on(FaultFamily::Kill) {
+        let (worker, stop, mut rng) = (
+            worker.clone(),
+            stop.clone(),
+            StdRng::seed_from_u64(rng.random()),
+        );
+        background.spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(rng.random_range(3000..8000))).await;
+                worker.kill();
+            }
+        });
+    }
+    if on(FaultFamily::Database) {
+        let (pool, stop, recorder, database) = (
+            pool.clone(),
+            stop.clone(),
+            recorder.clone(),
+            database.clone(),
+        );
+        let mut rng = StdRng::seed_from_u64(rng.random());
+        background.spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
+                // One random connection of the service or the gateway, never the auditor's own.
+                let killed: Result<Option<bool>, _> = sqlx::query_scalar(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                     WHERE datname = $1 AND application_name <> 'chaos-auditor'
+                       AND pid <> pg_backend_pid()
+                     ORDER BY random() LIMIT 1",
+                )
+                .bind(&database)
+                .fetch_optional(&pool)
+                .await;
+                if let Ok(Some(true)) = killed {
+                    recorder.fault("pg_terminate", 1);
+                }
+            }
+        });
+    }
+    {
+        let (gateway, stop, recorder) = (gateway.clone(), stop.clone(), recorder.clone());
+        let proxies: Vec<Arc<Proxy>> = client_proxies
+            .iter()
+            .cloned()
+            .chain([gateway_proxy.clone()])
+            .collect();
+        background.spawn(async move {
+            let mut last_gateway = gateway.counters();
+            let mut last_network = proxy::ProxyCounters::default();
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let now = gateway.counters();
+                recorder.ambient("gateway_latency", now.latency - last_gateway.latency);
+                recorder.fault(
+                    "gateway_fail_before",
+                    now.fail_before_charge - last_gateway.fail_before_charge,
+                );
+                recorder.fault(
+                    "gateway_fail_after",
+                    now.fail_after_charge - last_gateway.fail_after_charge,
+                );
+                recorder.fault(
+                    "gateway_drop_after",
+                    now.drop_after_charge - last_gateway.drop_after_charge,
+                );
+                recorder.fault(
+                    "gateway_conflict",
+                    now.conflict_in_flight - last_gateway.conflict_in_flight,
+                );
+                last_gateway = now;
+                let mut network = proxy::ProxyCounters::default();
+                for counters in proxies.iter().map(|p| p.counters()) {
+                    network.delayed += counters.delayed;
+                    network.reset += counters.reset;
+                    network.blackholed += counters.blackholed;
+                }
+                recorder.ambient("net_delay", network.delayed - last_network.delayed);
+                recorder.fault("net_reset", network.reset - last_network.reset);
+                recorder.fault(
+                    "net_blackhole",
+                    network.blackholed - last_network.blackholed,
+                );
+                last_network = network;
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+            }
+        });
+    }
+
+    // The clients.
+    let plan = Arc::new(ClientPlan {
+        seed,
+        requests: args.requests,
+        concurrency: args.concurrency,
+        targets: targets.clone(),
+        users,
+        attempt_timeout: Duration::from_secs(5),
+        give_up_after: args.give_up_after,
+    });
+    let done = Arc::new(AtomicU64::new(0));
+    let progress = {
+        let (done, recorder, total) = (done.clone(), recorder.clone(), args.requests);
+        tokio::spawn(async move {
+            let mut bar = report::Progress::new(total);
+            loop {
+                let finished = done.load(Ordering::Relaxed);
+                let responses = recorder.response_totals();
+                let faults: u64 = recorder.fault_totals().values().sum();
+                let extra = format!(
+                    "201:{} 503:{} 409:{} err:{} faults:{faults}",
+                    responses.get("201").unwrap_or(&0),
+                    responses.get("503").unwrap_or(&0),
+                    responses.get("409").unwrap_or(&0),
+                    responses.get("transport_error").unwrap_or(&0),
+                );
+                bar.set(finished, &extra);
+                if finished >= total {
+                    bar.finish();
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    let client_phase = Instant::now();
+    let mut logs = clients::run(plan.clone(), recorder.clone(), done).await;
+    let client_secs = client_phase.elapsed().as_secs_f64();
+    let _ = progress.await;
+
+    // Calm: no more faults; a worker without crash points finishes what was abandoned.
+    stop.store(true, Ordering::Relaxed);
+    while background.join_next().await.is_some() {}
+    gateway.set_faults(fakestripe::Faults::default());
+    for proxy in client_proxies.iter().chain([&gateway_proxy]) {
+        proxy.set_faults(ProxyFaults::default())?;
+    }
+    let worker = Arc::into_inner(worker).expect("the killer is done");
+    worker.stop().await;
+    let apis = Arc::into_inner(apis).expect("the killer is done");
+    for api in apis {
+        api.stop().await;
+    }
+    let calm_api_port = free_port()?;
+    let calm_api: SocketAddr = format!("127.0.0.1:{calm_api_port}").parse()?;
+    let calm = Supervised::start(
+        ProcessSpec {
+            name: "api-calm".into(),
+            kill_kind: "kill_api",
+            program: program.clone(),
+            args: vec!["serve".into(), "--listen".into(), calm_api.to_string()],
+            env: env.clone(),
+            log: dir.join("api-calm.log"),
+            restart_delay: Duration::from_millis(300),
+        },
+        recorder.clone(),
+    );
+    let calm_worker = Supervised::start(worker_args(env.clone()), recorder.clone());
+    eprintln!("chaos: clients done in {client_secs:.1}s; faults off, the worker finishes what was abandoned");
+    let final_pass = Instant::now();
+    loop {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL)
+                  + (SELECT count(*) FROM staged_jobs)",
+        )
+        .fetch_one(&pool)
+        .await?;
+        if left == 0 || final_pass.elapsed() > FINAL_PASS_LIMIT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    wait_until_serving(&[calm_api]).await?;
+    let verify_plan = ClientPlan {
+        targets: vec![calm_api],
+        ..(*plan).clone()
+    };
+    clients::verify(&verify_plan, &mut logs).await;
+    calm_worker.stop().await;
+    calm.stop().await;
+    let _ = stop_gateway.send(());
+
+    // The audit and the report.
+    let invariants = audit::audit(&pool, &logs, &declining_customers).await?;
+    let passed = invariants.iter().all(|i| i.passed);
+    let mut outcomes = BTreeMap::new();
+    for log in &logs {
+        let outcome = log
+            .final_status
+            .map_or_else(|| "gave_up".to_owned(), |s| s.to_string());
+        *outcomes.entry(outcome).or_insert(0u64) += 1;
+    }
+    let attempts: u64 = logs.iter().map(|l| l.answers.len() as u64 - 1).sum();
+    let mut latencies: Vec<f64> = logs.iter().map(|l| l.latency_ms).collect();
+    let report = Report {
+        seed,
+        requests: args.requests,
+        concurrency: args.concurrency,
+        api_instances: args.api_instances,
+        sabotage: args
+            .without
+            .iter()
+            .filter_map(|s| s.to_possible_value().map(|v| v.get_name().to_owned()))
+            .collect(),
+        started_at: started_at.format(&time::format_description::well_known::Rfc3339)?,
+        duration_secs: client_secs,
+        attempts,
+        retries: attempts.saturating_sub(args.requests),
+        gave_up: outcomes.get("gave_up").copied().unwrap_or(0),
+        outcomes,
+        responses: recorder.response_totals(),
+        faults: recorder.fault_totals(),
+        invariants,
+        throughput_rps: args.requests as f64 / client_secs.max(0.001),
+        latency_ms: Percentiles::from_millis(&mut latencies),
+        timeline: recorder.timeline(),
+        passed,
+    };
+    report.write_json(&dir.join("report.json"))?;
+    html::write(&report, &dir.join("report.html"))?;
+    pool.close().await;
+    if args.drop_database || (passed && !args.keep_database) {
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await;
+    } else {
+        eprintln!("chaos: database {database} kept for inspection");
+    }
+    eprintln!("chaos: report in {}", dir.join("report.html").display());
+    Ok(report)
+}
+
+fn free_port() -> std::io::Result<u16> {
+    // The OS picks a free port; the short window before the child binds it is harmless on a
+    // machine where nothing else races for loopback ports.
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Waits (bounded) until every API process answers `/healthz` through its address.
+async fn wait_until_serving(targets: &[SocketAddr]) -> anyhow::Result<()> {
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(1))
+        .build()?;
+    for target in targets {
+        let mut up = false;
+        for _ in 0..200 {
+            if let Ok(response) = http.get(format!("http://{target}/healthz")).send().await {
+                if response.status().is_success() {
+                    up = true;
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        anyhow::ensure!(up, "the API behind {target} did not come up (see its log)");
+    }
+    Ok(())
+}
+
+/// Exit status of `rocket-rides chaos`: the table is printed, and failure is an error.
+pub async fn run_and_print(args: ChaosArgs) -> anyhow::Result<()> {
+    let report = run(args).await?;
+    println!("{}", report.table());
+    anyhow::ensure!(report.passed, "the audit failed: see the invariants above");
+    Ok(())
+}

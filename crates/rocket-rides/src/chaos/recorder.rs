@@ -1,0 +1,118 @@
+//! What happened when: every response the clients received and every fault injected, by second.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::report::TimelineBucket;
+
+#[derive(Debug, Default)]
+struct Events {
+    responses: Vec<(u32, String)>,
+    faults: Vec<(u32, String, u64)>,
+    /// Added latency: counted, but left out of the timeline, where a delay on nearly every
+    /// connection would bury the discrete faults.
+    ambient: BTreeMap<String, u64>,
+}
+
+/// Shared by every task of a run. Cheap to clone.
+#[derive(Debug, Clone)]
+pub(crate) struct Recorder {
+    start: Instant,
+    events: Arc<Mutex<Events>>,
+}
+
+impl Recorder {
+    pub(crate) fn new() -> Self {
+        Self {
+            start: Instant::now(),
+            events: Arc::default(),
+        }
+    }
+
+    fn second(&self) -> u32 {
+        self.start.elapsed().as_secs() as u32
+    }
+
+    /// One response (a status, or `transport_error`).
+    pub(crate) fn response(&self, status: &str) {
+        let second = self.second();
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .responses
+            .push((second, status.to_owned()));
+    }
+
+    /// `count` faults of `kind` injected now.
+    pub(crate) fn fault(&self, kind: &str, count: u64) {
+        if count == 0 {
+            return;
+        }
+        let second = self.second();
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .faults
+            .push((second, kind.to_owned(), count));
+    }
+
+    /// `count` connections or calls slowed down on purpose (latency, delay).
+    pub(crate) fn ambient(&self, kind: &str, count: u64) {
+        if count > 0 {
+            let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+            *events.ambient.entry(kind.to_owned()).or_default() += count;
+        }
+    }
+
+    /// Totals by kind, latency included.
+    pub(crate) fn fault_totals(&self) -> BTreeMap<String, u64> {
+        let events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let mut totals = events.ambient.clone();
+        for (_, kind, count) in &events.faults {
+            *totals.entry(kind.clone()).or_default() += count;
+        }
+        totals
+    }
+
+    /// Responses by status.
+    pub(crate) fn response_totals(&self) -> BTreeMap<String, u64> {
+        let events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let mut totals = BTreeMap::new();
+        for (_, status) in &events.responses {
+            *totals.entry(status.clone()).or_default() += 1;
+        }
+        totals
+    }
+
+    /// One bucket per second from the start to the last event.
+    pub(crate) fn timeline(&self) -> Vec<TimelineBucket> {
+        let events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let last = events
+            .responses
+            .iter()
+            .map(|(s, _)| *s)
+            .chain(events.faults.iter().map(|(s, _, _)| *s))
+            .max()
+            .unwrap_or(0);
+        let mut buckets: Vec<TimelineBucket> = (0..=last)
+            .map(|second| TimelineBucket {
+                second,
+                ..TimelineBucket::default()
+            })
+            .collect();
+        for (second, status) in &events.responses {
+            *buckets[*second as usize]
+                .responses
+                .entry(status.clone())
+                .or_default() += 1;
+        }
+        for (second, kind, count) in &events.faults {
+            *buckets[*second as usize]
+                .faults
+                .entry(kind.clone())
+                .or_default() += count;
+        }
+        buckets
+    }
+}

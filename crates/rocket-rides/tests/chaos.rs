@@ -1,0 +1,71 @@
+//! The chaos harness's negative control: with the gateway key derived per attempt instead of
+//! from the key row, the same scenario must fail the audit with double charges. An auditor that
+//! cannot fail proves nothing.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn run_chaos(report_dir: &Path, extra: &[&str]) -> (std::process::ExitStatus, Value) {
+    let status = Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
+        .args([
+            "chaos",
+            "--requests",
+            "150",
+            "--concurrency",
+            "16",
+            "--seed",
+            "7",
+        ])
+        .args(extra)
+        .arg("--drop-database")
+        .arg("--report-dir")
+        .arg(report_dir)
+        .env("RUST_LOG", "warn")
+        .env("RUST_BACKTRACE", "0")
+        .status()
+        .expect("run rocket-rides chaos");
+    let run = std::fs::read_dir(report_dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .find(|path| path.join("report.json").exists())
+        .expect("the run wrote a report");
+    let report = serde_json::from_slice(&std::fs::read(run.join("report.json")).unwrap()).unwrap();
+    (status, report)
+}
+
+fn invariant<'a>(report: &'a Value, name: &str) -> &'a Value {
+    report["invariants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"] == name)
+        .unwrap_or_else(|| panic!("no invariant {name}"))
+}
+
+#[test]
+fn without_the_derived_gateway_key_the_audit_fails_with_double_charges() {
+    assert!(
+        std::env::var("DATABASE_URL").is_ok(),
+        "DATABASE_URL names the test server"
+    );
+    let dir = std::env::temp_dir().join(format!("chaos-control-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (status, report) = run_chaos(&dir, &["--without", "derived-key"]);
+
+    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    assert_eq!(report["passed"], false);
+    assert_eq!(report["sabotage"][0], "derived-key");
+    let doubles = invariant(&report, "one_charge_per_key");
+    assert_eq!(doubles["passed"], false, "{doubles}");
+    assert!(doubles["violations"].as_u64().unwrap() > 0);
+    assert_eq!(
+        invariant(&report, "no_charge_without_ride")["passed"],
+        false
+    );
+    // The rest of the scenario still holds: the sabotage is what the auditor caught.
+    assert_eq!(invariant(&report, "one_ride_per_key")["passed"], true);
+    assert_eq!(invariant(&report, "every_key_finished")["passed"], true);
+    let _ = std::fs::remove_dir_all(&dir);
+}
