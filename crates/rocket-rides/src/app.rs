@@ -13,6 +13,7 @@ use sqlx::PgPool;
 use tokio::net::TcpListener;
 
 use crate::config::{GatewayArgs, LeaseArgs};
+use crate::metrics::Metrics;
 use crate::shutdown::Signal;
 use crate::stripe::StripeClient;
 
@@ -32,6 +33,8 @@ pub struct AppState {
     pub heartbeat: Duration,
     /// Fires when in-flight work must give up its lease (the shutdown deadline passed).
     pub giving_up: Signal,
+    /// Counters for `GET /metrics`.
+    pub metrics: Metrics,
     /// Crash points armed by tests.
     #[cfg(feature = "failpoints")]
     pub failpoints: crate::failpoints::Failpoints,
@@ -59,6 +62,7 @@ impl AppState {
             stripe,
             heartbeat: lease.lease_heartbeat,
             giving_up: Signal::never(),
+            metrics: Metrics::default(),
             #[cfg(feature = "failpoints")]
             failpoints: crate::failpoints::Failpoints::from_env().map_err(anyhow::Error::msg)?,
         })
@@ -72,7 +76,13 @@ pub fn router(state: AppState) -> Router {
         .route("/rides/{id}", get(crate::rides::show))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(crate::metrics::scrape))
+        .route("/openapi.json", get(crate::openapi::document))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::metrics::count_requests,
+        ))
         .with_state(state)
 }
 

@@ -21,6 +21,7 @@ use serde_json::json;
 use sqlx::PgConnection;
 
 use crate::app::AppState;
+use crate::metrics::ChargeOutcome;
 use crate::problem::types;
 use crate::rides::{RideRequest, RideView};
 use crate::stripe::ChargeError;
@@ -216,6 +217,12 @@ async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
         ride.ride_id,
     );
     let result = with_heartbeat(state, lease, call).await?;
+    state.metrics.charge(match &result {
+        Ok(_) => ChargeOutcome::Charged,
+        Err(ChargeError::Declined { .. }) => ChargeOutcome::Declined,
+        Err(ChargeError::Transient(_)) => ChargeOutcome::Unavailable,
+        Err(ChargeError::Rejected { .. }) => ChargeOutcome::Rejected,
+    });
     let charge = match result {
         Ok(charge) => charge,
         Err(ChargeError::Declined { code, message }) => {

@@ -9,6 +9,7 @@
 //! | errors as problem+json | [`problem`] |
 //! | settings and their relations | [`config`] |
 //! | routes, state, serving | [`app`] |
+//! | `GET /metrics`, `GET /openapi.json` | [`metrics`], [`openapi`] |
 //! | graceful shutdown in two steps | [`shutdown`] |
 //! | completer, reaper, outbox drain | [`worker`] |
 
@@ -21,6 +22,8 @@ pub mod cli;
 pub mod config;
 pub mod db;
 pub mod failpoints;
+pub mod metrics;
+pub mod openapi;
 pub mod problem;
 pub mod rides;
 pub mod shutdown;

@@ -3,7 +3,7 @@
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
-use idempotency::{Fingerprint, NewRequest};
+use idempotency::{Claim, Fingerprint, NewRequest};
 use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -13,6 +13,7 @@ use time::OffsetDateTime;
 use crate::app::AppState;
 use crate::auth::AuthUser;
 use crate::booking::{self, BookingError, RidePoint};
+use crate::metrics::ClaimOutcome;
 use crate::problem::ApiError;
 
 /// The route template of `POST /rides`, part of every key's scope and fingerprint.
@@ -228,6 +229,12 @@ pub async fn create(
             params: &params,
         })
         .await?;
+    state.metrics.claim(match &claim {
+        Claim::Acquired(_) => ClaimOutcome::Acquired,
+        Claim::Replay(_) => ClaimOutcome::Replayed,
+        Claim::Mismatch => ClaimOutcome::Mismatch,
+        Claim::InFlight { .. } => ClaimOutcome::InFlight,
+    });
     let mut lease = match acquired_or_respond(claim) {
         Ok(lease) => lease,
         Err(refusal) => return Ok(refusal),
@@ -248,6 +255,7 @@ pub async fn create(
             Err(ApiError::Internal(format!("crashed at {point}")))
         }
         Err(BookingError::LeaseLost(e)) => {
+            state.metrics.lease_lost();
             tracing::warn!(key_id = lease.key_id(), error = %e, "lease taken over mid-request");
             Err(ApiError::LeaseLost)
         }

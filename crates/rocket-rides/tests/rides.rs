@@ -524,3 +524,76 @@ async fn a_gateway_that_times_out_after_charging_is_a_503_and_the_retry_gets_tha
     assert_eq!(done.status, 201, "{done:?}");
     assert_one_paid_ride(&app).await;
 }
+
+#[sqlx::test(migrations = false)]
+async fn metrics_count_claims_charges_and_answers_by_route_template(pool: PgPool) {
+    let (app, _, api_key) = app_with_user(pool).await;
+    app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    app.post_ride(Some(&api_key), Some("k-1"), OTHER_AMOUNT)
+        .await;
+    let location = app.post_ride(Some(&api_key), Some("k-2"), RIDE).await;
+    app.get(&api_key, location.header("location").unwrap())
+        .await;
+
+    let scrape = app
+        .http
+        .get(format!("{}/metrics", app.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        scrape.headers()["content-type"],
+        rocket_rides::metrics::CONTENT_TYPE
+    );
+    let text = scrape.text().await.unwrap();
+    for line in [
+        "idempotency_claims_total{outcome=\"acquired\"} 2",
+        "idempotency_claims_total{outcome=\"replayed\"} 1",
+        "idempotency_claims_total{outcome=\"mismatch\"} 1",
+        "gateway_charges_total{outcome=\"charged\"} 2",
+        "http_requests_total{method=\"POST\",route=\"/rides\",status=\"201\"} 3",
+        "http_requests_total{method=\"POST\",route=\"/rides\",status=\"422\"} 1",
+        // The route template, not the ride's path: ids never become labels.
+        "http_requests_total{method=\"GET\",route=\"/rides/{id}\",status=\"200\"} 1",
+        "idempotency_keys_unfinished 0",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_openapi_document_describes_the_routes_the_server_has(pool: PgPool) {
+    let (app, _, _) = app_with_user(pool).await;
+    let doc = app.get("unused", "/openapi.json").await.json();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let amount = &doc["components"]["schemas"]["RideRequest"]["properties"]["amount_cents"];
+    assert_eq!(amount["minimum"], rocket_rides::rides::MIN_AMOUNT_CENTS);
+    assert_eq!(amount["maximum"], rocket_rides::rides::MAX_AMOUNT_CENTS);
+    let paths = doc["paths"].as_object().unwrap();
+    assert_eq!(paths.len(), 6);
+    for (path, operations) in paths {
+        for method in operations.as_object().unwrap().keys() {
+            let url = format!("{}{}", app.base, path.replace("{id}", "1"));
+            let reply = match method.as_str() {
+                "get" => app.http.get(url).send().await.unwrap(),
+                "post" => app.http.post(url).send().await.unwrap(),
+                other => panic!("unexpected method {other}"),
+            };
+            // Unauthenticated: 401 where a key is needed, 200 elsewhere; never "no such route".
+            assert_ne!(
+                reply.status(),
+                404,
+                "{method} {path} is documented but not routed"
+            );
+            assert_ne!(
+                reply.status(),
+                405,
+                "{method} {path} is documented but not routed"
+            );
+        }
+    }
+}

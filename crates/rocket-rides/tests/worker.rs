@@ -402,7 +402,7 @@ async fn app_with_heartbeat(pool: PgPool) -> TestApp {
 async fn the_heartbeat_keeps_the_lease_of_a_slow_gateway_call(pool: PgPool) {
     let app = Arc::new(app_with_heartbeat(pool).await);
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    app.set_faults(slow_gateway(1500));
+    app.set_faults(slow_gateway(3000));
     let request = {
         let (app, api_key) = (app.clone(), api_key.clone());
         tokio::spawn(async move { app.post_ride(Some(&api_key), Some("k-1"), RIDE).await })
@@ -496,7 +496,7 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
 ) {
     let app = TestApp::start(pool).await;
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    app.set_faults(slow_gateway(1500));
+    app.set_faults(slow_gateway(3000));
 
     // A real `rocket-rides serve` process, against the same database and gateway.
     let port = {

@@ -94,6 +94,7 @@ async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<Ride
             return Outcome::Finished;
         }
         Err(BookingError::LeaseLost(e)) => {
+            state.metrics.lease_lost();
             tracing::info!(key_id, error = %e, "another holder took the key over");
             return Outcome::Lost;
         }

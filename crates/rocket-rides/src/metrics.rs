@@ -1,0 +1,195 @@
+//! `GET /metrics`: counters in the Prometheus text format (version 0.0.4).
+//!
+//! Hand-written rather than pulled from a metrics crate: a handful of counters, each a plain
+//! atomic or a small map under a mutex, rendered on scrape. The unfinished-key gauge is read from
+//! the database at scrape time, so it is true across every API process and the worker.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use crate::app::AppState;
+
+/// The media type of the text exposition format.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// How a claim ended.
+#[derive(Debug, Clone, Copy)]
+pub enum ClaimOutcome {
+    /// The request got the lease.
+    Acquired,
+    /// A finished key's stored response was replayed.
+    Replayed,
+    /// The key was reused with another payload (422).
+    Mismatch,
+    /// Another request held the lease (409).
+    InFlight,
+}
+
+/// How a gateway charge call ended.
+#[derive(Debug, Clone, Copy)]
+pub enum ChargeOutcome {
+    /// Charged (or the charge made earlier under the same key was returned).
+    Charged,
+    /// The card was declined.
+    Declined,
+    /// No usable answer; resumed later.
+    Unavailable,
+    /// The gateway refused the request itself.
+    Rejected,
+}
+
+/// The service's counters. Cheap to clone; clones share the counts.
+#[derive(Debug, Clone, Default)]
+pub struct Metrics(Arc<Counters>);
+
+#[derive(Debug, Default)]
+struct Counters {
+    /// (method, route template, status) → count.
+    http: Mutex<BTreeMap<(String, String, u16), u64>>,
+    claims: [AtomicU64; 4],
+    charges: [AtomicU64; 4],
+    leases_lost: AtomicU64,
+}
+
+impl Metrics {
+    /// Counts one claim.
+    pub fn claim(&self, outcome: ClaimOutcome) {
+        self.0.claims[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one gateway charge call.
+    pub fn charge(&self, outcome: ChargeOutcome) {
+        self.0.charges[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request or completer attempt that found its lease taken over.
+    pub fn lease_lost(&self) {
+        self.0.leases_lost.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn http(&self, method: &str, route: &str, status: u16) {
+        let mut http = self.0.http.lock().unwrap_or_else(|e| e.into_inner());
+        *http
+            .entry((method.to_owned(), route.to_owned(), status))
+            .or_default() += 1;
+    }
+
+    /// The text exposition, with the unfinished-key gauge read by the caller.
+    pub fn render(&self, unfinished_keys: Option<i64>) -> String {
+        let mut out = String::new();
+        out.push_str(
+            "# HELP http_requests_total HTTP requests answered, by route template and status.\n",
+        );
+        out.push_str("# TYPE http_requests_total counter\n");
+        for ((method, route, status), count) in
+            self.0.http.lock().unwrap_or_else(|e| e.into_inner()).iter()
+        {
+            let _ = writeln!(
+                out,
+                "http_requests_total{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} {count}"
+            );
+        }
+        out.push_str("# HELP idempotency_claims_total Claims of idempotency keys, by outcome.\n");
+        out.push_str("# TYPE idempotency_claims_total counter\n");
+        for (i, name) in ["acquired", "replayed", "mismatch", "in_flight"]
+            .iter()
+            .enumerate()
+        {
+            let count = self.0.claims[i].load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "idempotency_claims_total{{outcome=\"{name}\"}} {count}"
+            );
+        }
+        out.push_str(
+            "# HELP gateway_charges_total Calls to the gateway's charge endpoint, by outcome.\n",
+        );
+        out.push_str("# TYPE gateway_charges_total counter\n");
+        for (i, name) in ["charged", "declined", "unavailable", "rejected"]
+            .iter()
+            .enumerate()
+        {
+            let count = self.0.charges[i].load(Ordering::Relaxed);
+            let _ = writeln!(out, "gateway_charges_total{{outcome=\"{name}\"}} {count}");
+        }
+        out.push_str("# HELP idempotency_leases_lost_total Requests stopped because another holder took their key over.\n");
+        out.push_str("# TYPE idempotency_leases_lost_total counter\n");
+        let _ = writeln!(
+            out,
+            "idempotency_leases_lost_total {}",
+            self.0.leases_lost.load(Ordering::Relaxed)
+        );
+        if let Some(unfinished) = unfinished_keys {
+            out.push_str(
+                "# HELP idempotency_keys_unfinished Keys not yet finished, across all processes.\n",
+            );
+            out.push_str("# TYPE idempotency_keys_unfinished gauge\n");
+            let _ = writeln!(out, "idempotency_keys_unfinished {unfinished}");
+        }
+        out
+    }
+}
+
+/// Middleware: counts every answered request by its route template (never the raw path, whose
+/// ids would make the label set unbounded).
+pub async fn count_requests(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let method = request.method().as_str().to_owned();
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let response = next.run(request).await;
+    state
+        .metrics
+        .http(&method, &route, response.status().as_u16());
+    response
+}
+
+/// `GET /metrics`.
+pub async fn scrape(State(state): State<AppState>) -> impl IntoResponse {
+    let unfinished: Option<i64> =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL")
+            .fetch_one(&state.pool)
+            .await
+            .inspect_err(|e| tracing::warn!(error = %e, "metrics: cannot count unfinished keys"))
+            .ok();
+    (
+        [(http::header::CONTENT_TYPE, CONTENT_TYPE)],
+        state.metrics.render(unfinished),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_render_in_the_text_format() {
+        let metrics = Metrics::default();
+        metrics.claim(ClaimOutcome::Acquired);
+        metrics.claim(ClaimOutcome::Replayed);
+        metrics.claim(ClaimOutcome::Replayed);
+        metrics.charge(ChargeOutcome::Unavailable);
+        metrics.http("POST", "/rides", 201);
+        let text = metrics.render(Some(3));
+        assert!(
+            text.contains("idempotency_claims_total{outcome=\"replayed\"} 2\n"),
+            "{text}"
+        );
+        assert!(text.contains("idempotency_claims_total{outcome=\"mismatch\"} 0\n"));
+        assert!(text.contains("gateway_charges_total{outcome=\"unavailable\"} 1\n"));
+        assert!(text
+            .contains("http_requests_total{method=\"POST\",route=\"/rides\",status=\"201\"} 1\n"));
+        assert!(text.contains("idempotency_keys_unfinished 3\n"));
+    }
+}
