@@ -1,5 +1,8 @@
 //! The HTTP face of the `idempotency` crate for axum services.
 //!
+//! - [`IdempotencyLayer`] makes a one-step handler idempotent: it claims the key, calls the
+//!   handler once, stores its final answer and replays it (see [`layer`] for what it cannot
+//!   guarantee, and when to write phases instead).
 //! - [`RequiredKey`] extracts and validates `Idempotency-Key` (400 problem+json when missing or
 //!   malformed, before the handler writes anything).
 //! - [`acquired_or_respond`] turns a refused claim into its answer: the stored response replayed
@@ -14,10 +17,12 @@
 #![warn(missing_docs)]
 
 mod extract;
+pub mod layer;
 pub mod problem;
 mod replay;
 
-pub use extract::{RequiredKey, IDEMPOTENCY_KEY, KEY_MISSING_DETAIL};
+pub use extract::{RequiredKey, IDEMPOTENCY_KEY, KEY_MISSING_DETAIL, ONE_KEY_DETAIL};
+pub use layer::IdempotencyLayer;
 pub use problem::{retry_after_seconds, Problem, PROBLEM_JSON};
 pub use replay::{
     acquired_or_respond, replayed_response, stored_response, IDEMPOTENT_REPLAYED,

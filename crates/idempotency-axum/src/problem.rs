@@ -19,6 +19,10 @@ pub mod types {
     pub const KEY_REUSED: &str = "urn:problem:idempotency:key-reused";
     /// Another request with this key is being processed (409).
     pub const KEY_IN_FLIGHT: &str = "urn:problem:idempotency:key-in-flight";
+    /// The body is larger than the layer buffers (413).
+    pub const BODY_TOO_LARGE: &str = "urn:problem:idempotency:body-too-large";
+    /// The key store failed; nothing was decided (500).
+    pub const STORE_FAILED: &str = "urn:problem:idempotency:store-failed";
 }
 
 /// A problem+json response. Building one has no side effects: log before you return it.
