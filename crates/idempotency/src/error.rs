@@ -22,6 +22,16 @@ pub enum Error {
         point: String,
     },
 
+    /// A phase was asked to move to `started` or `finished`: the claim writes the first, and
+    /// only [`crate::Store::final_phase`] the second, with the response.
+    #[error("idempotency key {key_id}: a phase cannot move to {to:?}; finish with final_phase")]
+    InvalidTransition {
+        /// The key row.
+        key_id: i64,
+        /// The point asked for.
+        to: &'static str,
+    },
+
     /// A stored value does not have the shape this crate writes.
     #[error("idempotency key {key_id} holds a malformed {what}")]
     Corrupt {

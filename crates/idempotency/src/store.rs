@@ -93,12 +93,16 @@ pub enum Claim<P> {
 }
 
 /// A held lease on one key row: the right to run its next phases, fenced by `token`.
+///
+/// Dropping it without finishing or releasing leaves the key locked until the lease expires.
 #[derive(Debug)]
+#[must_use = "a dropped lease blocks its key until the lease expires: finish or release it"]
 pub struct Lease<P> {
     key_id: i64,
     user_id: i64,
     token: i64,
     attempts: i32,
+    completer_attempts: i32,
     recovery_point: P,
     params: Value,
     locked_until: OffsetDateTime,
@@ -123,6 +127,11 @@ impl<P: RecoveryPoint> Lease<P> {
     /// How many times the key's lease has been acquired, this time included.
     pub fn attempts(&self) -> i32 {
         self.attempts
+    }
+
+    /// How many of those acquisitions were a completer's (its backoff doubles with them).
+    pub fn completer_attempts(&self) -> i32 {
+        self.completer_attempts
     }
 
     /// The last committed phase: where to resume.
@@ -213,8 +222,8 @@ impl Store {
                 WHERE k.finished_at IS NULL
                   AND k.fingerprint = excluded.fingerprint
                   AND (k.locked_until IS NULL OR k.locked_until <= excluded.last_run_at)
-                RETURNING k.id, k.lease_token, k.attempts, k.recovery_point, k.request_params,
-                          k.locked_until
+                RETURNING k.id, k.lease_token, k.attempts, k.completer_attempts,
+                          k.recovery_point, k.request_params, k.locked_until
                 "#,
             )
             .bind(req.user_id)
@@ -302,10 +311,12 @@ impl Store {
         lease: &'l mut Lease<P>,
         to: P,
     ) -> Result<Phase<'l, P>, Error> {
-        assert!(
-            to != P::FINISHED,
-            "the finishing phase stores a response: open it with Store::final_phase"
-        );
+        if to == P::FINISHED || to == P::STARTED {
+            return Err(Error::InvalidTransition {
+                key_id: lease.key_id,
+                to: to.name(),
+            });
+        }
         let (tx, locked_until) = self.fence(lease, to.name()).await?;
         Ok(Phase {
             tx,
@@ -422,51 +433,64 @@ impl Store {
         Ok(())
     }
 
-    /// Acquires up to `limit` keys that their requests abandoned: unfinished, lease free or
-    /// expired, older than `grace`, and past their backoff. This is how a completer claims; each
-    /// returned lease has a fresh fencing token, exactly as a request's claim would.
+    /// Acquires up to `limit` keys of one route (`method`, `route`) that their requests
+    /// abandoned: unfinished, lease free or expired, last attempted more than `grace` ago (or
+    /// already worked by a completer), and past their backoff. This is how a completer claims; each returned lease has a fresh
+    /// fencing token, exactly as a request's claim would. A row whose recovery point the
+    /// application does not know comes back as an error in its place (its lease expires on its
+    /// own), so one bad row cannot stop the others.
     ///
     /// `FOR UPDATE SKIP LOCKED` lets several completers run at once without waiting on each
     /// other or taking the same key: a row locked by one is skipped by the others, and a row
     /// whose lease a request takes meanwhile no longer matches when re-checked under the lock.
     pub async fn claim_abandoned<P: RecoveryPoint>(
         &self,
+        method: &str,
+        route: &str,
         grace: Duration,
         limit: i64,
-    ) -> Result<Vec<Lease<P>>, Error> {
+    ) -> Result<Vec<Result<Lease<P>, Error>>, Error> {
         let rows = sqlx::query(
             r#"
             WITH abandoned AS (
                 SELECT id FROM idempotency_keys
                 WHERE finished_at IS NULL
+                  AND request_method = $5 AND request_path = $6
                   AND (locked_until IS NULL OR locked_until <= coalesce($1::timestamptz, now()))
-                  AND created_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
+                  -- The grace, from the last attempt, protects a client still retrying its own
+                  -- key; once a completer has worked the key, only its backoff applies.
+                  AND (completer_attempts > 0
+                       OR last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
                   AND (next_attempt_at IS NULL OR next_attempt_at <= coalesce($1::timestamptz, now()))
-                ORDER BY created_at
+                ORDER BY last_run_at
                 LIMIT $3
                 FOR UPDATE SKIP LOCKED
             )
             UPDATE idempotency_keys k
-            SET lease_token  = k.lease_token + 1,
-                attempts     = k.attempts + 1,
-                locked_until = coalesce($1::timestamptz, now()) + $4 * interval '1 millisecond',
-                last_run_at  = coalesce($1::timestamptz, now())
+            SET lease_token        = k.lease_token + 1,
+                attempts           = k.attempts + 1,
+                completer_attempts = k.completer_attempts + 1,
+                locked_until       = coalesce($1::timestamptz, now()) + $4 * interval '1 millisecond',
+                last_run_at        = coalesce($1::timestamptz, now())
             FROM abandoned
             WHERE k.id = abandoned.id
-            RETURNING k.id, k.user_id, k.lease_token, k.attempts, k.recovery_point,
-                      k.request_params, k.locked_until
+            RETURNING k.id, k.user_id, k.lease_token, k.attempts, k.completer_attempts,
+                      k.recovery_point, k.request_params, k.locked_until
             "#,
         )
         .bind(self.now())
         .bind(grace.as_millis().min(i64::MAX as u128) as i64)
         .bind(limit.clamp(1, 10_000))
         .bind(self.ttl_millis())
+        .bind(method)
+        .bind(route)
         .fetch_all(&self.pool)
         .await
-        .map_err(Error::db("claim abandoned keys"))?;
-        rows.iter()
+        .map_err(Error::db(format!("claim abandoned keys of {method} {route}")))?;
+        Ok(rows
+            .iter()
             .map(|row| lease_from_row(row, row.get("user_id")))
-            .collect()
+            .collect())
     }
 
     /// Gives the lease up after a failed completer attempt and keeps completers away from the
@@ -547,12 +571,15 @@ impl Store {
 
     /// Lists keys, newest first: all of them, or only the unfinished ones.
     pub async fn list(&self, unfinished_only: bool, limit: i64) -> Result<Vec<KeyRecord>, Error> {
+        // Two statements rather than `finished_at IS NULL OR NOT $1`, which no index serves.
+        let filter = if unfinished_only {
+            "WHERE finished_at IS NULL"
+        } else {
+            ""
+        };
         let rows = sqlx::query(&format!(
-            "SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys
-             WHERE finished_at IS NULL OR NOT $1
-             ORDER BY id DESC LIMIT $2"
+            "SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys {filter} ORDER BY id DESC LIMIT $1"
         ))
-        .bind(unfinished_only)
         .bind(limit.clamp(1, 10_000))
         .fetch_all(&self.pool)
         .await
@@ -679,6 +706,8 @@ pub struct KeyRecord {
     pub lease_token: i64,
     /// Acquisitions so far.
     pub attempts: i32,
+    /// Acquisitions by a completer.
+    pub completer_attempts: i32,
     /// The completer leaves the key alone until then.
     #[serde(with = "time::serde::rfc3339::option")]
     pub next_attempt_at: Option<OffsetDateTime>,
@@ -695,7 +724,8 @@ pub struct KeyRecord {
 }
 
 const KEY_RECORD_COLUMNS: &str = "id, user_id, request_method, request_path, idempotency_key, \
-    recovery_point, locked_until, lease_token, attempts, next_attempt_at, response_status, \
+    recovery_point, locked_until, lease_token, attempts, completer_attempts, next_attempt_at, \
+    response_status, \
     request_params, created_at, finished_at";
 
 impl KeyRecord {
@@ -715,6 +745,7 @@ impl KeyRecord {
             locked_until: row.try_get("locked_until").map_err(get)?,
             lease_token: row.try_get("lease_token").map_err(get)?,
             attempts: row.try_get("attempts").map_err(get)?,
+            completer_attempts: row.try_get("completer_attempts").map_err(get)?,
             next_attempt_at: row.try_get("next_attempt_at").map_err(get)?,
             response_status: row.try_get("response_status").map_err(get)?,
             request_params: row
@@ -737,6 +768,7 @@ fn lease_from_row<P: RecoveryPoint>(row: &PgRow, user_id: i64) -> Result<Lease<P
         user_id,
         token: row.get("lease_token"),
         attempts: row.get("attempts"),
+        completer_attempts: row.get("completer_attempts"),
         recovery_point,
         params: row.get::<Json<Value>, _>("request_params").0,
         locked_until: row.get("locked_until"),

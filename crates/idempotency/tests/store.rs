@@ -240,6 +240,23 @@ async fn a_claim_during_an_open_phase_waits_and_then_sees_the_extended_lease(poo
         let (k, body) = (k.clone(), body.clone());
         tokio::spawn(async move { store.claim::<Point>(request(1, &k, &body)).await })
     };
+    // Commit only once the claimer is seen waiting on the row lock the phase holds.
+    let mut waited = false;
+    for _ in 0..500 {
+        let blocked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if blocked == 1 {
+            waited = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(waited, "the claimer never waited on the phase's row lock");
     phase.commit().await.unwrap();
     match claimer.await.unwrap().unwrap() {
         Claim::InFlight { .. } => {}
@@ -307,4 +324,103 @@ async fn renewing_extends_a_held_lease_and_fails_for_a_stale_one(pool: PgPool) {
         store.renew(&mut lease).await,
         Err(Error::LeaseLost { .. })
     ));
+}
+
+#[sqlx::test(migrations = false)]
+async fn concurrent_claims_of_an_expired_lease_take_it_over_exactly_once(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let (k, body) = (key("same"), json!({"a": 1}));
+    let _dead = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    clock.advance(TTL + Duration::from_secs(1));
+    let barrier = Arc::new(tokio::sync::Barrier::new(16));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (store, barrier, k, body) = (store.clone(), barrier.clone(), k.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.claim::<Point>(request(1, &k, &body)).await.unwrap()
+        }));
+    }
+    let mut tokens = Vec::new();
+    for task in tasks {
+        match task.await.unwrap() {
+            Claim::Acquired(lease) => tokens.push(lease.token()),
+            Claim::InFlight { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(tokens, [2], "one takeover, with the next token");
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_completer_claims_only_its_route_and_only_after_the_grace(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let body = json!({"a": 1});
+    let (mine, other) = (key("mine"), key("other"));
+    let _a = acquired(store.claim(request(1, &mine, &body)).await.unwrap());
+    let _b = acquired(
+        store
+            .claim(NewRequest {
+                route: "/others",
+                ..request(1, &other, &body)
+            })
+            .await
+            .unwrap(),
+    );
+    let grace = Duration::from_secs(60);
+    clock.advance(TTL + Duration::from_secs(1));
+    // Expired, but attempted less than the grace ago.
+    assert!(store
+        .claim_abandoned::<Point>("POST", "/things", grace, 10)
+        .await
+        .unwrap()
+        .is_empty());
+    clock.advance(grace);
+    let claimed = store
+        .claim_abandoned::<Point>("POST", "/things", grace, 10)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let lease = claimed.into_iter().next().unwrap().unwrap();
+    assert_eq!((lease.token(), lease.completer_attempts()), (2, 1));
+    let record = store.find(lease.key_id()).await.unwrap().unwrap();
+    assert_eq!(record.idempotency_key, "mine");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_key_at_an_unknown_recovery_point_does_not_stop_the_others(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let body = json!({"a": 1});
+    for name in ["a", "b", "c"] {
+        let _ = acquired(store.claim(request(1, &key(name), &body)).await.unwrap());
+    }
+    sqlx::query(
+        "UPDATE idempotency_keys SET recovery_point = 'renamed' WHERE idempotency_key = 'b'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    clock.advance(Duration::from_secs(3600));
+    let claimed = store
+        .claim_abandoned::<Point>("POST", "/things", Duration::from_secs(60), 10)
+        .await
+        .unwrap();
+    let (ok, bad): (Vec<_>, Vec<_>) = claimed.into_iter().partition(Result::is_ok);
+    assert_eq!((ok.len(), bad.len()), (2, 1));
+    assert!(matches!(bad[0], Err(Error::UnknownRecoveryPoint { .. })));
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_phase_cannot_skip_to_finished_or_back_to_started(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let mut lease = acquired(
+        store
+            .claim(request(1, &key("k"), &json!({})))
+            .await
+            .unwrap(),
+    );
+    for to in [Point::Finished, Point::Started] {
+        let err = store.phase(&mut lease, to).await.unwrap_err();
+        assert!(matches!(err, Error::InvalidTransition { .. }), "{err}");
+    }
 }

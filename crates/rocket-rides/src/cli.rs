@@ -9,7 +9,7 @@ use idempotency::{DatabaseClock, Store};
 
 use crate::app::{self, AppState};
 use crate::config::{GatewayArgs, LeaseArgs, ShutdownArgs, WorkerArgs};
-use crate::shutdown::{os_signal, Shutdown};
+use crate::shutdown::{os_signal, Shutdown, HARD_STOP_MARGIN};
 use crate::stripe::StripeClient;
 
 /// Rocket Rides: book a ride and charge a card, effectively once.
@@ -167,10 +167,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let mut stopping = steps.stopping();
             state.giving_up = steps.giving_up();
             tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
-            app::serve(listener, app::router(state), async move {
+            let mut giving_up = state.giving_up.clone();
+            let serving = app::serve(listener, app::router(state), async move {
                 stopping.wait().await
-            })
-            .await?;
+            });
+            tokio::select! {
+                served = serving => served?,
+                _ = async {
+                    giving_up.wait().await;
+                    tokio::time::sleep(HARD_STOP_MARGIN).await;
+                } => tracing::warn!("connections still open past the shutdown deadline; exiting"),
+            }
             tracing::info!("stopped");
         }
         Command::Worker {

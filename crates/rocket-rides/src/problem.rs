@@ -17,6 +17,8 @@ use crate::rides::FieldError;
 pub mod types {
     /// The body is not JSON (400).
     pub const BAD_JSON: &str = "urn:problem:rocket-rides:bad-json";
+    /// The body is larger than accepted (413).
+    pub const BODY_TOO_LARGE: &str = "urn:problem:rocket-rides:body-too-large";
     /// The body fails validation (400); `errors` lists the fields.
     pub const VALIDATION: &str = "urn:problem:rocket-rides:validation";
     /// No or unknown API key (401).
@@ -52,6 +54,9 @@ pub enum ApiError {
     /// The body is not JSON.
     #[error("body is not JSON: {0}")]
     BadJson(String),
+    /// The body is larger than the route accepts.
+    #[error("body too large")]
+    BodyTooLarge,
     /// The body fails validation.
     #[error("invalid request body")]
     Validation(Vec<FieldError>),
@@ -88,6 +93,15 @@ impl IntoResponse for ApiError {
                 Problem::new(StatusCode::BAD_REQUEST, types::BAD_JSON, "Body is not JSON")
                     .with_detail(why)
             }
+            Self::BodyTooLarge => Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                types::BODY_TOO_LARGE,
+                "Body too large",
+            )
+            .with_detail(format!(
+                "the request body is larger than {} bytes",
+                crate::app::MAX_BODY_BYTES
+            )),
             Self::Validation(errors) => {
                 let names: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
                 Problem::new(

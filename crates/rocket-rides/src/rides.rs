@@ -1,9 +1,10 @@
 //! The ride resource: request validation, the stored view, and the HTTP handlers.
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
-use idempotency::{Claim, Fingerprint, NewRequest};
+use idempotency::{Claim, Fingerprint, Lease, NewRequest};
 use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -210,68 +211,91 @@ pub async fn create(
     State(state): State<AppState>,
     user: AuthUser,
     RequiredKey(key): RequiredKey,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     // Everything is validated before the key is claimed: bad input writes no row.
+    let body = body.map_err(|e| match e.status() {
+        http::StatusCode::PAYLOAD_TOO_LARGE => ApiError::BodyTooLarge,
+        _ => ApiError::BadJson(e.body_text()),
+    })?;
     let json: Value =
         serde_json::from_slice(&body).map_err(|e| ApiError::BadJson(e.to_string()))?;
     let request = RideRequest::validate(&json).map_err(ApiError::Validation)?;
     let params = serde_json::to_value(&request).map_err(|e| ApiError::Internal(e.to_string()))?;
 
-    let claim = state
-        .store
-        .claim::<RidePoint>(NewRequest {
-            user_id: user.id,
-            method: "POST",
-            route: RIDES_ROUTE,
-            key: &key,
-            fingerprint: Fingerprint::of_json("POST", RIDES_ROUTE, &json),
-            params: &params,
-        })
-        .await?;
-    state.metrics.claim(match &claim {
-        Claim::Acquired(_) => ClaimOutcome::Acquired,
-        Claim::Replay(_) => ClaimOutcome::Replayed,
-        Claim::Mismatch => ClaimOutcome::Mismatch,
-        Claim::InFlight { .. } => ClaimOutcome::InFlight,
+    // From the claim on, the request runs in a task of its own. If the client hangs up, hyper
+    // drops the handler's future; were the claim, a phase or the release dropped with it, the key
+    // would stay locked until its lease expired. The task finishes what it started.
+    let task = tokio::spawn(async move {
+        let fingerprint = Fingerprint::of_json("POST", RIDES_ROUTE, &json);
+        let claim = state
+            .store
+            .claim::<RidePoint>(NewRequest {
+                user_id: user.id,
+                method: "POST",
+                route: RIDES_ROUTE,
+                key: &key,
+                fingerprint,
+                params: &params,
+            })
+            .await?;
+        state.metrics.claim(match &claim {
+            Claim::Acquired(_) => ClaimOutcome::Acquired,
+            Claim::Replay(_) => ClaimOutcome::Replayed,
+            Claim::Mismatch => ClaimOutcome::Mismatch,
+            Claim::InFlight { .. } => ClaimOutcome::InFlight,
+        });
+        match acquired_or_respond(claim) {
+            Ok(lease) => book(&state, lease).await,
+            Err(refusal) => Ok(refusal),
+        }
     });
-    let mut lease = match acquired_or_respond(claim) {
-        Ok(lease) => lease,
-        Err(refusal) => return Ok(refusal),
-    };
+    task.await
+        .map_err(|e| ApiError::Internal(format!("booking task failed: {e}")))?
+}
 
+/// Runs the booking with the lease and turns its outcome into the answer, releasing the lease
+/// on every failure a retry can resume from.
+async fn book(state: &AppState, mut lease: Lease<RidePoint>) -> Result<Response, ApiError> {
     let mut giving_up = state.giving_up.clone();
     let outcome = tokio::select! {
-        outcome = booking::run(&state, &mut lease) => outcome,
+        outcome = booking::run(state, &mut lease) => outcome,
         // Shutdown deadline: stop between two statements of the machine (an open phase rolls
         // back), hand the key back, and let the client's retry resume it elsewhere.
         _ = giving_up.wait() => Err(BookingError::GivenUp),
     };
-    match outcome {
-        Ok(stored) => Ok(stored_response(&stored)),
+    let key_id = lease.key_id();
+    let error = match outcome {
+        Ok(stored) => return Ok(stored_response(&stored)),
         Err(BookingError::Crashed(point)) => {
             // A simulated crash: the lease is kept until it expires, as a dead process keeps it.
-            tracing::warn!(key_id = lease.key_id(), point, "crash point hit");
-            Err(ApiError::Internal(format!("crashed at {point}")))
+            tracing::warn!(key_id, point, "crash point hit");
+            return Err(ApiError::Internal(format!("crashed at {point}")));
         }
         Err(BookingError::LeaseLost(e)) => {
             state.metrics.lease_lost();
-            tracing::warn!(key_id = lease.key_id(), error = %e, "lease taken over mid-request");
-            Err(ApiError::LeaseLost)
+            tracing::warn!(key_id, error = %e, "lease taken over mid-request");
+            return Err(ApiError::LeaseLost);
         }
-        Err(e) => {
-            // Hand the key back at once, keeping its recovery point: the retry resumes from it.
-            let key_id = lease.key_id();
-            if let Err(release) = state.store.release(lease).await {
-                tracing::warn!(key_id, error = %release, "could not release lease");
-            }
-            match e {
-                BookingError::GatewayUnavailable(why) => Err(ApiError::GatewayUnavailable(why)),
-                BookingError::GivenUp => Err(ApiError::ShuttingDown),
-                other => Err(ApiError::Internal(other.to_string())),
-            }
-        }
+        Err(
+            e @ (BookingError::GatewayUnavailable(_)
+            | BookingError::GivenUp
+            | BookingError::Internal(_)),
+        ) => e,
+    };
+    // Hand the key back at once, keeping its recovery point: the retry resumes from it.
+    if let Err(release) = state.store.release(lease).await {
+        tracing::warn!(key_id, error = %release, "could not release lease");
     }
+    Err(match error {
+        BookingError::GatewayUnavailable(why) => ApiError::GatewayUnavailable(why),
+        BookingError::GivenUp => ApiError::ShuttingDown,
+        BookingError::Internal(why) => ApiError::Internal(why),
+        // Handled above; listed so that a new variant must be placed here by hand.
+        BookingError::Crashed(_) | BookingError::LeaseLost(_) => {
+            ApiError::Internal(error.to_string())
+        }
+    })
 }
 
 /// `GET /rides/{id}`: the owner's ride; 404 for everyone else, so ids reveal nothing.

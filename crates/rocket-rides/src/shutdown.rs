@@ -13,6 +13,11 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+/// How long after "giving up" a server still waits for its connections before it exits anyway.
+/// Work in flight has released its leases by then; what is left is idle or slow connections,
+/// which must not keep the process alive past its orchestrator's kill timeout.
+pub const HARD_STOP_MARGIN: Duration = Duration::from_secs(5);
+
 /// One shutdown step that tasks can wait for. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Signal(watch::Receiver<bool>);

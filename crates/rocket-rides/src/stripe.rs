@@ -168,18 +168,31 @@ impl StripeClient {
             .await
             .map_err(|e| ChargeError::Transient(format!("POST {path}: {}", describe(&e))))?;
         let status = response.status().as_u16();
-        // A body cut off mid-way is as good as no answer: the charge may exist.
-        let bytes = response
-            .bytes()
+        let bytes = read_limited(response)
             .await
-            .map_err(|e| ChargeError::Transient(format!("POST {path}: {}", describe(&e))))?;
-        if bytes.len() > MAX_RESPONSE_BYTES {
-            return Err(ChargeError::Transient(format!(
-                "POST {path}: oversized response"
-            )));
-        }
+            .map_err(|why| ChargeError::Transient(format!("POST {path}: {why}")))?;
         classify(path, status, &bytes)
     }
+}
+
+/// Reads a body of at most [`MAX_RESPONSE_BYTES`], chunk by chunk, so that a gateway gone wrong
+/// cannot make us buffer without bound. A body cut off mid-way is as good as no answer: the
+/// charge may exist, so the caller treats it as transient.
+async fn read_limited(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
+    if response
+        .content_length()
+        .is_some_and(|n| n > MAX_RESPONSE_BYTES as u64)
+    {
+        return Err("oversized response".into());
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|e| describe(&e))? {
+        if body.len() + chunk.len() > MAX_RESPONSE_BYTES {
+            return Err("oversized response".into());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 fn classify<T: for<'de> Deserialize<'de>>(

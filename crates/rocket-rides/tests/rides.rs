@@ -597,3 +597,44 @@ async fn the_openapi_document_describes_the_routes_the_server_has(pool: PgPool) 
         }
     }
 }
+
+#[sqlx::test(migrations = false)]
+async fn an_oversized_body_is_a_413_problem_and_writes_no_key(pool: PgPool) {
+    let (app, _, api_key) = app_with_user(pool).await;
+    let padding = " ".repeat(rocket_rides::app::MAX_BODY_BYTES);
+    let reply = app
+        .post_ride(Some(&api_key), Some("k-1"), &format!("{RIDE}{padding}"))
+        .await;
+    assert_eq!(reply.status, 413);
+    assert_eq!(reply.problem_type(), types::BODY_TOO_LARGE);
+    assert_eq!(app.keys().await, 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_client_that_hangs_up_mid_request_does_not_leave_its_key_locked(pool: PgPool) {
+    let (app, user_id, api_key) = app_with_user(pool).await;
+    app.set_faults(Faults {
+        latency_ms: 1500,
+        ..Faults::default()
+    });
+    // The client gives up after 300 ms, while the gateway call is under way.
+    let impatient = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(format!("{}/rides", app.base))
+        .bearer_auth(&api_key)
+        .header("idempotency-key", "k-1")
+        .body(RIDE)
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client timed out");
+    // The server finishes the request anyway, within the gateway's latency rather than after a
+    // lease TTL (30 s) of a key locked by nobody; the retry then replays it.
+    app.wait_for_point(user_id, "finished").await;
+    let done = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(done.status, 201, "{done:?}");
+    assert!(done.replayed());
+    assert_one_paid_ride(&app).await;
+}

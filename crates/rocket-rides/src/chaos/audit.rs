@@ -1,16 +1,51 @@
 //! The auditor: the invariants of DESIGN.md, each a named check with counts, computed from the
-//! service's tables, the gateway's tables and what the clients received.
+//! service's tables, the gateway's tables and what the clients received. Every check looks from
+//! both sides where it can: from what clients were told to the rows, and from the rows back to
+//! what was asked.
 
 use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
 use sqlx::PgPool;
 
-use super::clients::RequestLog;
-use super::report::InvariantResult;
+use super::clients::{Answer, RequestLog};
+use super::report::{InvariantResult, MAX_EXAMPLES};
 
-/// At most this many examples per violated invariant.
-const EXAMPLES: usize = 5;
+/// What the database held after the completer's final pass, before the late questions of
+/// [`super::clients::verify`] (which, as ordinary retries, would finish any key left behind).
+#[derive(Debug, Default)]
+pub(crate) struct Snapshot {
+    /// `user key at point` for every key not finished by then.
+    pub unfinished: Vec<String>,
+    /// (user, key) of every key that existed.
+    pub keys: HashSet<(i64, String)>,
+    /// All keys.
+    pub total_keys: u64,
+}
+
+impl Snapshot {
+    pub(crate) async fn take(pool: &PgPool) -> sqlx::Result<Self> {
+        let rows: Vec<(i64, String, String, bool)> = sqlx::query_as(
+            "SELECT user_id, idempotency_key, recovery_point, finished_at IS NOT NULL
+             FROM idempotency_keys",
+        )
+        .fetch_all(pool)
+        .await?;
+        let mut snapshot = Self {
+            total_keys: rows.len() as u64,
+            ..Self::default()
+        };
+        for (user, key, point, finished) in rows {
+            if !finished {
+                snapshot
+                    .unfinished
+                    .push(format!("user {user} key {key} stuck at {point}"));
+            }
+            snapshot.keys.insert((user, key));
+        }
+        Ok(snapshot)
+    }
+}
 
 struct Check {
     name: &'static str,
@@ -43,7 +78,7 @@ impl Check {
             checked: self.checked,
             violations: self.violations.len() as u64,
             passed: self.violations.is_empty(),
-            examples: self.violations.into_iter().take(EXAMPLES).collect(),
+            examples: self.violations.into_iter().take(MAX_EXAMPLES).collect(),
         }
     }
 }
@@ -56,50 +91,69 @@ struct Ride {
     amount_cents: i32,
     charge_id: Option<String>,
     status: String,
+    customer: String,
 }
 
 #[derive(Debug, sqlx::FromRow)]
 struct GatewayCharge {
     id: String,
     amount: i64,
+    customer_id: String,
     ride_id: Option<String>,
 }
 
 /// Runs every check. `pool` reaches the run's database (the service's tables and the gateway's
-/// `fakestripe` schema).
+/// `fakestripe` schema); `process_exits` counts API or worker processes that died of something
+/// other than the harness's kills and crash points.
 pub(crate) async fn audit(
     pool: &PgPool,
     logs: &[RequestLog],
-    declining_customers: &[String],
+    before: &Snapshot,
+    process_exits: u64,
 ) -> anyhow::Result<Vec<InvariantResult>> {
     let rides: Vec<Ride> = sqlx::query_as(
-        "SELECT r.id, r.user_id, k.idempotency_key AS key, r.amount_cents, r.charge_id, r.status
-         FROM rides r LEFT JOIN idempotency_keys k ON k.id = r.idempotency_key_id",
+        "SELECT r.id, r.user_id, k.idempotency_key AS key, r.amount_cents, r.charge_id, r.status,
+                u.stripe_customer_id AS customer
+         FROM rides r JOIN users u ON u.id = r.user_id
+         LEFT JOIN idempotency_keys k ON k.id = r.idempotency_key_id",
     )
     .fetch_all(pool)
     .await?;
     let charges: Vec<GatewayCharge> = sqlx::query_as(
-        "SELECT id, amount, metadata->>'ride_id' AS ride_id FROM fakestripe.charges",
+        "SELECT id, amount, customer_id, metadata->>'ride_id' AS ride_id FROM fakestripe.charges",
     )
     .fetch_all(pool)
     .await?;
     let rides_by_id: HashMap<i64, &Ride> = rides.iter().map(|r| (r.id, r)).collect();
     let charges_by_id: HashMap<&str, &GatewayCharge> =
         charges.iter().map(|c| (c.id.as_str(), c)).collect();
+    let logs_by_key: HashMap<(i64, &str), &RequestLog> = logs
+        .iter()
+        .map(|l| ((l.user.id, l.key.as_str()), l))
+        .collect();
 
-    // 1. One key, one effect.
+    // 1. One key, one effect: from the rows back to the requests.
     let mut one_ride = Check::new(
         "one_ride_per_key",
-        "at most one ride per (user, idempotency key), and every ride belongs to a key",
+        "every ride belongs to one requested key, of its user and amount, and no key has two",
     );
     let mut per_key: HashMap<(i64, &str), u64> = HashMap::new();
     for ride in &rides {
-        match &ride.key {
-            Some(key) => *per_key.entry((ride.user_id, key.as_str())).or_default() += 1,
-            None => one_ride
-                .violations
-                .push(format!("ride {} has no key", ride.id)),
-        }
+        let Some(key) = ride.key.as_deref() else {
+            one_ride.expect(false, || format!("ride {} has no key", ride.id));
+            continue;
+        };
+        *per_key.entry((ride.user_id, key)).or_default() += 1;
+        let asked = logs_by_key.get(&(ride.user_id, key));
+        one_ride.expect(
+            asked.is_some_and(|log| log.amount_cents == i64::from(ride.amount_cents)),
+            || {
+                format!(
+                    "ride {} (user {}, key {key}) matches no request",
+                    ride.id, ride.user_id
+                )
+            },
+        );
     }
     for ((user, key), count) in &per_key {
         one_ride.expect(*count == 1, || {
@@ -125,11 +179,11 @@ pub(crate) async fn audit(
     // 2. Nothing acknowledged is lost.
     let mut acknowledged = Check::new(
         "acknowledged_201_is_paid",
-        "every 201 a client received names a paid ride with that charge, and the charge exists \
-         at the gateway with the same amount",
+        "every 201 a client received names its own ride (user, key, amount), paid with that \
+         charge, and the charge exists at the gateway with the same amount",
     );
     for log in logs {
-        for answer in log.answers.iter().filter(|a| a.status == Some(201)) {
+        for answer in all_answers(log).filter(|a| a.status == Some(201)) {
             let body: Value = answer
                 .body
                 .as_deref()
@@ -138,12 +192,14 @@ pub(crate) async fn audit(
             let ride_id = body["ride_id"].as_i64().unwrap_or(-1);
             let charge_id = body["charge_id"].as_str().unwrap_or("");
             let holds = rides_by_id.get(&ride_id).is_some_and(|ride| {
-                ride.status == "paid"
+                ride.user_id == log.user.id
+                    && ride.key.as_deref() == Some(log.key.as_str())
+                    && ride.status == "paid"
                     && ride.charge_id.as_deref() == Some(charge_id)
                     && i64::from(ride.amount_cents) == log.amount_cents
                     && charges_by_id
                         .get(charge_id)
-                        .is_some_and(|c| c.amount == i64::from(ride.amount_cents))
+                        .is_some_and(|c| c.amount == log.amount_cents)
             });
             acknowledged.expect(holds, || {
                 format!(
@@ -157,7 +213,8 @@ pub(crate) async fn audit(
     // 3. No money without a ride.
     let mut no_orphan = Check::new(
         "no_charge_without_ride",
-        "every gateway charge is the recorded charge of exactly one ride, for its amount",
+        "every gateway charge is the recorded charge of exactly one ride, for its amount, on its \
+         owner's card",
     );
     for charge in &charges {
         let ride = charge
@@ -168,6 +225,7 @@ pub(crate) async fn audit(
         let holds = ride.is_some_and(|ride| {
             ride.charge_id.as_deref() == Some(charge.id.as_str())
                 && i64::from(ride.amount_cents) == charge.amount
+                && ride.customer == charge.customer_id
         });
         no_orphan.expect(holds, || {
             format!(
@@ -180,49 +238,87 @@ pub(crate) async fn audit(
     // 4. Replays are exact.
     let mut replays = Check::new(
         "replays_equal_first_answer",
-        "every final answer (201, 402) a client got for a key has the status and body bytes of \
-         the first one",
+        "every later final answer (201, 402) for a key repeats the first one's status, body \
+         bytes, Location and Content-Type, marked Idempotent-Replayed",
     );
     for log in logs {
-        let finals: Vec<_> = log
-            .answers
-            .iter()
+        let finals: Vec<&Answer> = all_answers(log)
             .filter(|a| matches!(a.status, Some(201 | 402)))
             .collect();
         let Some(first) = finals.first() else {
             continue;
         };
         for later in &finals[1..] {
-            replays.expect(
-                later.status == first.status && later.body == first.body && later.replayed,
-                || {
-                    format!(
-                        "key {}: answer {:?} (replayed: {}) differs from the first {:?}",
-                        log.key, later.status, later.replayed, first.status
-                    )
-                },
-            );
+            let same = later.status == first.status
+                && later.body == first.body
+                && later.location == first.location
+                && later.content_type == first.content_type;
+            replays.expect(same && later.replayed, || {
+                format!(
+                    "key {}: answer {:?} (replayed: {}) differs from the first {:?}",
+                    log.key, later.status, later.replayed, first.status
+                )
+            });
         }
     }
 
-    // 7. Every started request finishes.
-    let unfinished: Vec<(i64, String, String)> = sqlx::query_as(
-        "SELECT user_id, idempotency_key, recovery_point FROM idempotency_keys WHERE finished_at IS NULL",
-    )
-    .fetch_all(pool)
-    .await?;
-    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
-        .fetch_one(pool)
-        .await?;
+    // 5. A payload cannot be swapped.
+    let mut swaps = Check::new(
+        "payload_swap_refused",
+        "the same key with another amount is refused with 422 (the rides keep their amounts: \
+         see one_ride_per_key)",
+    );
+    for log in logs {
+        if let Some(swapped) = &log.swapped {
+            swaps.expect(swapped.status == Some(422), || {
+                format!("key {}: another amount got {:?}", log.key, swapped.status)
+            });
+        }
+    }
+
+    // 7. Every started request finishes, without its client's help.
     let mut finished = Check::new(
         "every_key_finished",
-        "after the completer's final pass, no key is left unfinished",
+        "after the completer's final pass, before any late retry, no key is left unfinished",
     );
-    finished.checked = keys as u64;
-    finished.violations = unfinished
-        .iter()
-        .map(|(u, k, p)| format!("user {u} key {k} stuck at {p}"))
-        .collect();
+    finished.checked = before.total_keys;
+    finished.violations = before.unfinished.clone();
+
+    let mut late = Check::new(
+        "every_request_answered_afterwards",
+        "asked again after the run, every request gets a final answer, replayed when its key \
+         existed",
+    );
+    for log in logs {
+        let answer = log.late.clone().unwrap_or_default();
+        let existed = before.keys.contains(&(log.user.id, log.key.clone()));
+        late.expect(
+            matches!(answer.status, Some(201 | 402)) && (answer.replayed || !existed),
+            || {
+                format!(
+                    "key {}: late answer {:?}, replayed: {}",
+                    log.key, answer.status, answer.replayed
+                )
+            },
+        );
+    }
+
+    let mut unexpected = Check::new(
+        "no_unexpected_answer",
+        "during the run every answer was final (201, 402) or asked for a retry (409, 500, 503, \
+         no answer), and no API or worker process died other than by the harness's hand",
+    );
+    for log in logs {
+        for answer in &log.answers {
+            unexpected.expect(
+                matches!(answer.status, None | Some(201 | 402 | 409 | 500 | 503)),
+                || format!("key {}: unexpected {:?}", log.key, answer.status),
+            );
+        }
+    }
+    unexpected.expect(process_exits == 0, || {
+        format!("{process_exits} processes exited on their own (see their logs)")
+    });
 
     // Effects after payment: one receipt per paid ride.
     let receipts: Vec<i64> = sqlx::query_scalar("SELECT ride_id FROM ride_receipts")
@@ -245,26 +341,39 @@ pub(crate) async fn audit(
         });
     }
 
-    // Declined cards charge nothing.
-    let declined_charges: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM fakestripe.charges WHERE customer_id = ANY($1)")
-            .bind(declining_customers)
-            .fetch_one(pool)
-            .await?;
+    // Declines: from the cards to the rides and the answers.
+    let declining: HashSet<i64> = logs
+        .iter()
+        .filter(|l| l.user.declines)
+        .map(|l| l.user.id)
+        .collect();
     let mut declines = Check::new(
-        "declined_cards_charge_nothing",
-        "no gateway charge for a declining card, and every 402 was for one",
+        "declines_follow_the_card",
+        "rides of declining cards are declined and charged nothing; rides of good cards are not \
+         declined; every 402 was for a declining card",
     );
-    declines.expect(declined_charges == 0, || {
-        format!("{declined_charges} charges on declining cards")
-    });
-    for log in logs.iter().filter(|l| l.final_status == Some(402)) {
-        declines.expect(log.user.declines, || {
+    for ride in &rides {
+        let expected = if declining.contains(&ride.user_id) {
+            "declined"
+        } else {
+            "paid"
+        };
+        declines.expect(ride.status == expected, || {
             format!(
-                "key {} (user {}): 402 for a good card",
-                log.key, log.user.id
+                "ride {} of user {} is {}, expected {expected}",
+                ride.id, ride.user_id, ride.status
             )
         });
+    }
+    for log in logs {
+        for answer in all_answers(log).filter(|a| a.status == Some(402)) {
+            declines.expect(log.user.declines, || {
+                format!(
+                    "key {} (user {}): 402 for a good card {answer:?}",
+                    log.key, log.user.id
+                )
+            });
+        }
     }
 
     Ok([
@@ -273,11 +382,19 @@ pub(crate) async fn audit(
         acknowledged,
         no_orphan,
         replays,
+        swaps,
         finished,
+        late,
+        unexpected,
         one_receipt,
         declines,
     ]
     .into_iter()
     .map(Check::result)
     .collect())
+}
+
+/// Every answer a request got: during the run, then the late one.
+fn all_answers(log: &RequestLog) -> impl Iterator<Item = &Answer> {
+    log.answers.iter().chain(log.late.iter())
 }

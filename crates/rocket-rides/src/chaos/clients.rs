@@ -21,13 +21,15 @@ pub(crate) struct ClientUser {
 }
 
 /// One answer, as the client got it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Answer {
-    /// `None`: no HTTP answer (connection refused, reset, timed out).
+    /// `None`: no HTTP answer (connection refused, reset, timed out, body cut off).
     pub status: Option<u16>,
     pub replayed: bool,
-    /// Kept for final answers (201, 402) only, for the replay check.
+    /// What a replay must repeat; kept for final answers (201, 402) only.
     pub body: Option<Vec<u8>>,
+    pub location: Option<String>,
+    pub content_type: Option<String>,
 }
 
 /// One request and everything that happened to it.
@@ -39,6 +41,10 @@ pub(crate) struct RequestLog {
     /// The exact body sent, for the verification replay.
     pub body: String,
     pub answers: Vec<Answer>,
+    /// The answer to the same request asked once more after the run (see [`verify`]).
+    pub late: Option<Answer>,
+    /// The answer to the same key with another amount, for a sample of requests after the run.
+    pub swapped: Option<Answer>,
     /// The final status, if one came before the client gave up.
     pub final_status: Option<u16>,
     pub latency_ms: f64,
@@ -130,62 +136,15 @@ async fn one_request(
         amount_cents,
         body: body.clone(),
         answers: Vec::new(),
+        late: None,
+        swapped: None,
         final_status: None,
         latency_ms: 0.0,
     };
     let mut attempt = 0u32;
     loop {
         let target = plan.targets[rng.random_range(0..plan.targets.len())];
-        let sent = http
-            .post(format!("http://{target}/rides"))
-            .bearer_auth(&log.user.api_key)
-            .header("idempotency-key", &log.key)
-            .header("content-type", "application/json")
-            .body(body.clone())
-            .send()
-            .await;
-        let (answer, retry_after) = match sent {
-            Ok(response) => {
-                let status = response.status().as_u16();
-                let replayed = response.headers().get("idempotent-replayed").is_some();
-                let retry_after = response
-                    .headers()
-                    .get("retry-after")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .map(Duration::from_secs);
-                match response.bytes().await {
-                    Ok(bytes) => {
-                        let keep = matches!(status, 201 | 402).then(|| bytes.to_vec());
-                        (
-                            Answer {
-                                status: Some(status),
-                                replayed,
-                                body: keep,
-                            },
-                            retry_after,
-                        )
-                    }
-                    // Headers came, the body did not: as good as no answer.
-                    Err(_) => (
-                        Answer {
-                            status: None,
-                            replayed: false,
-                            body: None,
-                        },
-                        None,
-                    ),
-                }
-            }
-            Err(_) => (
-                Answer {
-                    status: None,
-                    replayed: false,
-                    body: None,
-                },
-                None,
-            ),
-        };
+        let (answer, retry_after) = send(http, target, &log.user.api_key, &log.key, &body).await;
         recorder.response(
             &answer
                 .status
@@ -216,10 +175,64 @@ async fn one_request(
     log
 }
 
-/// After the run, asks once more for every request, with no fault in the way: each must now
-/// have a final answer, replayed, equal to the first final answer its client saw. Requests whose
-/// clients gave up get the answer the completer stored. These answers are not part of the
-/// traffic figures; the auditor reads them from the logs.
+/// Sends one `POST /rides`; the `Retry-After` comes back apart.
+async fn send(
+    http: &reqwest::Client,
+    target: SocketAddr,
+    api_key: &str,
+    key: &str,
+    body: &str,
+) -> (Answer, Option<Duration>) {
+    let sent = http
+        .post(format!("http://{target}/rides"))
+        .bearer_auth(api_key)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_owned())
+        .send()
+        .await;
+    let Ok(response) = sent else {
+        return (Answer::default(), None);
+    };
+    let status = response.status().as_u16();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let replayed = header("idempotent-replayed").is_some();
+    let (location, content_type) = (header("location"), header("content-type"));
+    let retry_after = header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_secs);
+    match response.bytes().await {
+        Ok(bytes) => {
+            let body = matches!(status, 201 | 402).then(|| bytes.to_vec());
+            (
+                Answer {
+                    status: Some(status),
+                    replayed,
+                    body,
+                    location,
+                    content_type,
+                },
+                retry_after,
+            )
+        }
+        // Headers came, the body did not: as good as no answer.
+        Err(_) => (Answer::default(), None),
+    }
+}
+
+/// Every how many requests one is also sent with another amount under its key after the run.
+const SWAP_EVERY: usize = 10;
+
+/// After the run, with no fault in the way, asks once more for every request: each must now get
+/// the answer stored for its key (the completer's, for requests whose clients gave up). For every
+/// tenth request it also sends the same key with another amount, which must be refused. These
+/// answers are not part of the traffic figures; the auditor reads them from the logs.
 pub(crate) async fn verify(plan: &ClientPlan, logs: &mut [RequestLog]) {
     let http = reqwest::Client::builder()
         .timeout(plan.attempt_timeout)
@@ -230,41 +243,27 @@ pub(crate) async fn verify(plan: &ClientPlan, logs: &mut [RequestLog]) {
     let mut asks = tokio::task::JoinSet::new();
     for (i, log) in logs.iter().enumerate() {
         let (http, permits) = (http.clone(), permits.clone());
-        let (api_key, key) = (log.user.api_key.clone(), log.key.clone());
-        let body = log.body.clone();
+        let (api_key, key, body) = (log.user.api_key.clone(), log.key.clone(), log.body.clone());
+        let swapped_body = (i % SWAP_EVERY == 0).then(|| {
+            body.replace(
+                &format!("\"amount_cents\": {}", log.amount_cents),
+                &format!("\"amount_cents\": {}", log.amount_cents + 1),
+            )
+        });
         asks.spawn(async move {
             // The semaphore is never closed.
             let _permit = permits.acquire_owned().await.expect("semaphore is open");
-            let sent = http
-                .post(format!("http://{target}/rides"))
-                .bearer_auth(api_key)
-                .header("idempotency-key", key)
-                .header("content-type", "application/json")
-                .body(body)
-                .send()
-                .await;
-            let answer = match sent {
-                Ok(response) => {
-                    let status = response.status().as_u16();
-                    let replayed = response.headers().get("idempotent-replayed").is_some();
-                    let body = response.bytes().await.ok().map(|b| b.to_vec());
-                    Answer {
-                        status: Some(status),
-                        replayed,
-                        body,
-                    }
-                }
-                Err(_) => Answer {
-                    status: None,
-                    replayed: false,
-                    body: None,
-                },
+            let (late, _) = send(&http, target, &api_key, &key, &body).await;
+            let swapped = match swapped_body {
+                Some(other) => Some(send(&http, target, &api_key, &key, &other).await.0),
+                None => None,
             };
-            (i, answer)
+            (i, late, swapped)
         });
     }
     while let Some(result) = asks.join_next().await {
-        let (i, answer) = result.expect("verification task");
-        logs[i].answers.push(answer);
+        let (i, late, swapped) = result.expect("verification task");
+        logs[i].late = Some(late);
+        logs[i].swapped = swapped;
     }
 }

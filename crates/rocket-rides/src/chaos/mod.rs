@@ -50,6 +50,9 @@ pub enum Sabotage {
     /// Call the gateway under a fresh key per attempt instead of the key derived from the key
     /// row: retries after "charged, then no answer" charge twice.
     DerivedKey,
+    /// Run the worker with a completer grace of 1000 hours, so it never takes a key: requests
+    /// whose clients gave up stay unfinished.
+    Completer,
 }
 
 /// A fault family that can be switched off.
@@ -218,7 +221,6 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     )?;
     gateway.set_faults(fakestripe::Faults::default());
     let mut users = Vec::new();
-    let mut declining_customers = Vec::new();
     for i in 0..args.users {
         let declines = i % 5 == 4;
         let card = if declines {
@@ -229,9 +231,6 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         let user =
             crate::users::create_user(&pool, &stripe, &format!("rider{i}@chaos.example"), card)
                 .await?;
-        if declines {
-            declining_customers.push(user.stripe_customer_id.clone());
-        }
         users.push(ClientUser {
             id: user.id,
             api_key: user.api_key,
@@ -265,12 +264,21 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         ("RUST_LOG".to_owned(), "warn".to_owned()),
         ("NO_COLOR".to_owned(), "1".to_owned()),
     ];
-    if !args.without.is_empty() {
-        env.push((
-            crate::failpoints::SABOTAGE_ENV.to_owned(),
-            crate::failpoints::SABOTAGE_FRESH_GATEWAY_KEY.to_owned(),
-        ));
+    for sabotage in &args.without {
+        match sabotage {
+            Sabotage::DerivedKey => env.push((
+                crate::failpoints::SABOTAGE_ENV.to_owned(),
+                crate::failpoints::SABOTAGE_FRESH_GATEWAY_KEY.to_owned(),
+            )),
+            // Applied to the worker's arguments below.
+            Sabotage::Completer => {}
+        }
     }
+    let completer_grace = if args.without.contains(&Sabotage::Completer) {
+        "1000h"
+    } else {
+        COMPLETER_GRACE
+    };
     let crash_env = |seed: u64| {
         let mut env = env.clone();
         if on(FaultFamily::Crash) {
@@ -317,7 +325,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             "--completer-interval",
             "300ms",
             "--completer-grace",
-            COMPLETER_GRACE,
+            completer_grace,
             "--completer-backoff",
             "500ms",
             "--completer-backoff-max",
@@ -529,6 +537,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     wait_until_serving(&[calm_api]).await?;
+    let before = audit::Snapshot::take(&pool).await?;
     let verify_plan = ClientPlan {
         targets: vec![calm_api],
         ..(*plan).clone()
@@ -539,7 +548,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     let _ = stop_gateway.send(());
 
     // The audit and the report.
-    let invariants = audit::audit(&pool, &logs, &declining_customers).await?;
+    let process_exits = recorder
+        .fault_totals()
+        .get("process_exit")
+        .copied()
+        .unwrap_or(0);
+    let invariants = audit::audit(&pool, &logs, &before, process_exits).await?;
     let passed = invariants.iter().all(|i| i.passed);
     let mut outcomes = BTreeMap::new();
     for log in &logs {
@@ -548,7 +562,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             .map_or_else(|| "gave_up".to_owned(), |s| s.to_string());
         *outcomes.entry(outcome).or_insert(0u64) += 1;
     }
-    let attempts: u64 = logs.iter().map(|l| l.answers.len() as u64 - 1).sum();
+    let attempts: u64 = logs.iter().map(|l| l.answers.len() as u64).sum();
     let mut latencies: Vec<f64> = logs.iter().map(|l| l.latency_ms).collect();
     let report = Report {
         seed,

@@ -91,7 +91,10 @@ async fn supervise(
         let mut child = match spawn(&spec, generation) {
             Ok(child) => child,
             Err(e) => {
+                // Counted as an unexpected exit, so that the audit fails rather than passing
+                // over a process that never ran.
                 tracing::error!(name = %spec.name, error = %e, "cannot start process");
+                recorder.fault("process_exit", 1);
                 return;
             }
         };

@@ -5,16 +5,15 @@
 //! fails transiently is released with an exponential backoff and tried again later, for as long
 //! as it takes: the completer never drops a key and never invents an outcome for it.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::Lease;
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::app::AppState;
 use crate::booking::{self, BookingError, RidePoint};
 use crate::config::WorkerArgs;
+use crate::rides::RIDES_ROUTE;
 
 /// What one pass did, for logs and tests.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -27,45 +26,61 @@ pub struct Report {
     pub retried: usize,
     /// Keys whose lease another holder took during the attempt.
     pub lost: usize,
+    /// Keys claimed whose recovery point this build does not know.
+    pub undecodable: usize,
 }
 
-/// The backoff after the `attempts`-th acquisition of a key failed: `base`, doubled per attempt
-/// after the first completer attempt, capped at `max`.
-pub fn backoff(attempts: i32, base: Duration, max: Duration) -> Duration {
-    let doublings = attempts.saturating_sub(2).clamp(0, 30) as u32;
+/// The backoff after a completer's `completer_attempts`-th attempt at a key failed: `base`,
+/// doubled with every further completer attempt, capped at `max`. The client's own retries do
+/// not count: they are not the completer's failures.
+pub fn backoff(completer_attempts: i32, base: Duration, max: Duration) -> Duration {
+    let doublings = completer_attempts.saturating_sub(1).clamp(0, 30) as u32;
     base.saturating_mul(1 << doublings).min(max)
 }
 
-/// One pass: claim a batch of abandoned keys and work them, a few at a time.
+/// One pass: claims abandoned keys of `POST /rides` a few at a time (as many as it works at
+/// once, so that no claimed key waits with a live lease nobody works) and runs each, until a
+/// round comes back short or the batch is done.
 pub async fn run_once(
     state: &AppState,
     settings: &WorkerArgs,
 ) -> Result<Report, idempotency::Error> {
-    let leases: Vec<Lease<RidePoint>> = state
-        .store
-        .claim_abandoned(settings.completer_grace, settings.completer_batch)
-        .await?;
-    let mut report = Report {
-        claimed: leases.len(),
-        ..Report::default()
-    };
-    let permits = Arc::new(Semaphore::new(settings.completer_concurrency as usize));
-    let mut tasks = JoinSet::new();
-    for lease in leases {
-        let (state, settings, permits) = (state.clone(), settings.clone(), permits.clone());
-        tasks.spawn(async move {
-            // The semaphore lives as long as this pass and is never closed.
-            let _permit = permits.acquire_owned().await.expect("semaphore is open");
-            complete(&state, &settings, lease).await
-        });
-    }
-    while let Some(outcome) = tasks.join_next().await {
-        match outcome {
-            Ok(Outcome::Finished) => report.finished += 1,
-            Ok(Outcome::Retried) => report.retried += 1,
-            Ok(Outcome::Lost) => report.lost += 1,
-            // A panicking task leaves its lease to expire; the key is retried after it.
-            Err(e) => tracing::error!(error = %e, "completer task panicked"),
+    let mut report = Report::default();
+    let round = i64::from(settings.completer_concurrency);
+    while (report.claimed as i64) < settings.completer_batch {
+        let want = round.min(settings.completer_batch - report.claimed as i64);
+        let claimed = state
+            .store
+            .claim_abandoned::<RidePoint>("POST", RIDES_ROUTE, settings.completer_grace, want)
+            .await?;
+        let got = claimed.len() as i64;
+        report.claimed += claimed.len();
+        let mut tasks = JoinSet::new();
+        for lease in claimed {
+            match lease {
+                Ok(lease) => {
+                    let (state, settings) = (state.clone(), settings.clone());
+                    tasks.spawn(async move { complete(&state, &settings, lease).await });
+                }
+                Err(e) => {
+                    // Code and data disagree (a recovery point this build does not know). The
+                    // key's lease expires on its own; say so loudly.
+                    tracing::error!(error = %e, "completer cannot resume a key");
+                    report.undecodable += 1;
+                }
+            }
+        }
+        while let Some(outcome) = tasks.join_next().await {
+            match outcome {
+                Ok(Outcome::Finished) => report.finished += 1,
+                Ok(Outcome::Retried) => report.retried += 1,
+                Ok(Outcome::Lost) => report.lost += 1,
+                // A panicking task leaves its lease to expire; the key is retried after it.
+                Err(e) => tracing::error!(error = %e, "completer task panicked"),
+            }
+        }
+        if got < want {
+            break;
         }
     }
     if report.claimed > 0 {
@@ -82,7 +97,7 @@ enum Outcome {
 
 async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<RidePoint>) -> Outcome {
     let key_id = lease.key_id();
-    let attempts = lease.attempts();
+    let attempts = lease.completer_attempts();
     let mut giving_up = state.giving_up.clone();
     let outcome = tokio::select! {
         outcome = booking::run(state, &mut lease) => outcome,
@@ -98,7 +113,12 @@ async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<Ride
             tracing::info!(key_id, error = %e, "another holder took the key over");
             return Outcome::Lost;
         }
-        Err(e) => e,
+        Err(
+            e @ (BookingError::GatewayUnavailable(_)
+            | BookingError::Internal(_)
+            | BookingError::GivenUp
+            | BookingError::Crashed(_)),
+        ) => e,
     };
     let wait = backoff(
         attempts,
@@ -106,7 +126,13 @@ async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<Ride
         settings.completer_backoff_max,
     );
     // Loud: a key that keeps failing is visible here and in `rocket-rides keys list --unfinished`.
-    tracing::warn!(key_id, attempts, error = %error, retry_in = ?wait, "completer attempt failed");
+    tracing::warn!(
+        key_id,
+        completer_attempts = attempts,
+        error = %error,
+        retry_in = ?wait,
+        "completer attempt failed"
+    );
     match state.store.release_with_backoff(lease, wait).await {
         Ok(()) => Outcome::Retried,
         Err(e) => {
@@ -121,14 +147,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_doubles_from_the_first_completer_attempt_and_is_capped() {
+    fn backoff_doubles_with_the_completers_attempts_and_is_capped() {
         let (base, max) = (Duration::from_secs(5), Duration::from_secs(60));
-        // Acquisition 1 was the client's request; 2 is the completer's first attempt.
         assert_eq!(backoff(1, base, max), Duration::from_secs(5));
-        assert_eq!(backoff(2, base, max), Duration::from_secs(5));
-        assert_eq!(backoff(3, base, max), Duration::from_secs(10));
-        assert_eq!(backoff(4, base, max), Duration::from_secs(20));
-        assert_eq!(backoff(6, base, max), Duration::from_secs(60));
+        assert_eq!(backoff(2, base, max), Duration::from_secs(10));
+        assert_eq!(backoff(3, base, max), Duration::from_secs(20));
+        assert_eq!(backoff(5, base, max), Duration::from_secs(60));
         assert_eq!(backoff(i32::MAX, base, max), Duration::from_secs(60));
     }
 }

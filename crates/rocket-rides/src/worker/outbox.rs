@@ -13,14 +13,17 @@ use crate::app::AppState;
 /// The job a finished ride stages.
 pub const SEND_RIDE_RECEIPT: &str = "send_ride_receipt";
 
+/// Every job this build can run.
+pub const KNOWN_JOBS: [&str; 1] = [SEND_RIDE_RECEIPT];
+
 /// Why a drain failed. Its transaction rolled back; the jobs stay for the next drain.
 #[derive(Debug, thiserror::Error)]
 pub enum DrainError {
     /// The database failed.
     #[error("drain staged jobs: {0}")]
     Database(#[from] sqlx::Error),
-    /// A job this build does not know, or whose arguments do not parse. It stays in the table,
-    /// loud in the logs, until a build that knows it drains it.
+    /// A job whose arguments do not parse: its drain rolls back and says so, loudly, at every
+    /// pass, until someone looks (jobs of unknown names are not selected at all).
     #[error("staged job {id} ({name}) cannot be run: {why}")]
     BadJob {
         /// The job row.
@@ -44,9 +47,14 @@ struct ReceiptArgs {
 pub async fn run_once(state: &AppState, batch: i64) -> Result<usize, DrainError> {
     let mut tx = state.pool.begin().await?;
     let jobs: Vec<(i64, String, serde_json::Value)> = sqlx::query_as(
-        "SELECT id, job_name, job_args FROM staged_jobs ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+        // Only the jobs this build knows: a job of a newer build waits for it without blocking
+        // the others.
+        "SELECT id, job_name, job_args FROM staged_jobs
+         WHERE job_name = ANY($2)
+         ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(batch)
+    .bind(&KNOWN_JOBS[..])
     .fetch_all(&mut *tx)
     .await?;
     for (id, name, args) in &jobs {
