@@ -26,9 +26,7 @@
 
 use axum::response::Response;
 use http::HeaderMap;
-use idempotency::{
-    Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, RecoveryPoint, StoredResponse,
-};
+use idempotency::{Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, StoredResponse};
 use serde_json::Value;
 use sqlx::PgConnection;
 
@@ -41,34 +39,9 @@ use crate::Error;
 /// The request header, as Stripe names it.
 pub(crate) const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
-/// The recovery points of a gateway request: it has a single phase, so a key is either just
-/// claimed or finished. A key found `started` by a later claim is one whose phase never
-/// committed; it runs again from the start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Point {
-    Started,
-    Finished,
-}
-
-impl RecoveryPoint for Point {
-    const STARTED: Self = Point::Started;
-    const FINISHED: Self = Point::Finished;
-
-    fn name(self) -> &'static str {
-        match self {
-            Point::Started => "started",
-            Point::Finished => "finished",
-        }
-    }
-
-    fn from_name(name: &str) -> Option<Self> {
-        match name {
-            "started" => Some(Point::Started),
-            "finished" => Some(Point::Finished),
-            _ => None,
-        }
-    }
-}
+/// A gateway request has a single phase (the charge and its stored response commit together),
+/// so its keys use the library's one-step points.
+pub(crate) type Point = idempotency::OneStep;
 
 /// The request's idempotency key, if it sent one.
 pub(crate) fn key_from_headers(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, ApiError> {

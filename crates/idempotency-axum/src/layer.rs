@@ -28,7 +28,7 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use idempotency::{Fingerprint, NewRequest, RecoveryPoint, Store, StoredResponse};
+use idempotency::{Fingerprint, NewRequest, OneStep, Store, StoredResponse};
 
 use crate::extract::key_from_headers;
 use crate::problem::{types, Problem};
@@ -44,33 +44,6 @@ pub const MAX_STORED_BODY: usize = 1024 * 1024;
 /// The only headers of a handler's answer that are stored and replayed: those that describe the
 /// outcome. Per-delivery headers (`Date`, request ids) are not.
 pub const STORED_HEADERS: [&str; 2] = ["content-type", "location"];
-
-/// The two points of a one-step request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OneStep {
-    /// Claimed; the handler has not answered finally yet.
-    Started,
-    /// The answer is stored.
-    Finished,
-}
-
-impl RecoveryPoint for OneStep {
-    const STARTED: Self = Self::Started;
-    const FINISHED: Self = Self::Finished;
-
-    fn name(self) -> &'static str {
-        match self {
-            Self::Started => "started",
-            Self::Finished => "finished",
-        }
-    }
-
-    fn from_name(name: &str) -> Option<Self> {
-        [Self::Started, Self::Finished]
-            .into_iter()
-            .find(|p| p.name() == name)
-    }
-}
 
 /// Who owns a request's keys: a user id from the request, or the status to refuse it with
 /// (typically 401), answered as an `about:blank` problem.

@@ -8,7 +8,7 @@ use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use idempotency::{Claim, StoredResponse};
+use idempotency::{Claim, OneStep, StoredResponse};
 use idempotency_axum::problem::types;
 use idempotency_axum::{acquired_or_respond, replayed_response, retry_after_seconds, RequiredKey};
 use tower::ServiceExt;
@@ -100,38 +100,16 @@ async fn a_replay_carries_the_stored_parts_and_the_replayed_header() {
     assert_eq!(body(response).await, stored.body);
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Point {
-    Started,
-    Finished,
-}
-
-impl idempotency::RecoveryPoint for Point {
-    const STARTED: Self = Self::Started;
-    const FINISHED: Self = Self::Finished;
-    fn name(self) -> &'static str {
-        match self {
-            Self::Started => "started",
-            Self::Finished => "finished",
-        }
-    }
-    fn from_name(name: &str) -> Option<Self> {
-        [Self::Started, Self::Finished]
-            .into_iter()
-            .find(|p| p.name() == name)
-    }
-}
-
 #[tokio::test]
 async fn refused_claims_map_to_422_and_409_with_retry_after() {
-    let mismatch = acquired_or_respond::<Point>(Claim::Mismatch).unwrap_err();
+    let mismatch = acquired_or_respond::<OneStep>(Claim::Mismatch).unwrap_err();
     assert_eq!(mismatch.status(), StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem_type(mismatch).await, types::KEY_REUSED);
 
     let in_flight = Claim::InFlight {
         retry_after: Duration::from_secs(7),
     };
-    let conflict = acquired_or_respond::<Point>(in_flight).unwrap_err();
+    let conflict = acquired_or_respond::<OneStep>(in_flight).unwrap_err();
     assert_eq!(conflict.status(), StatusCode::CONFLICT);
     assert_eq!(conflict.headers()["retry-after"], "7");
     assert_eq!(problem_type(conflict).await, types::KEY_IN_FLIGHT);

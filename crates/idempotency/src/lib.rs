@@ -49,7 +49,8 @@ pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use response::StoredResponse;
 pub use store::{
-    Claim, FinalPhase, KeyRecord, Lease, NewRequest, Phase, RecoveryPoint, Store, DEFAULT_LEASE_TTL,
+    Claim, FinalPhase, KeyRecord, Lease, NewRequest, OneStep, Phase, RecoveryPoint, Store,
+    DEFAULT_LEASE_TTL,
 };
 
 /// Creates or updates the crate's table in the database behind `pool`.

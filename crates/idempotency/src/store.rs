@@ -59,6 +59,35 @@ pub trait RecoveryPoint: Copy + Eq + std::fmt::Debug + Send + Sync + 'static {
     fn from_name(name: &str) -> Option<Self>;
 }
 
+/// The recovery points of a request with a single phase: just claimed, or finished. A key found
+/// `Started` by a later claim is one whose phase never committed; it runs again from the start.
+/// (A request with several effects defines its own points, one per committed step.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OneStep {
+    /// Claimed; nothing committed yet.
+    Started,
+    /// The response is stored.
+    Finished,
+}
+
+impl RecoveryPoint for OneStep {
+    const STARTED: Self = Self::Started;
+    const FINISHED: Self = Self::Finished;
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Finished => "finished",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        [Self::Started, Self::Finished]
+            .into_iter()
+            .find(|p| p.name() == name)
+    }
+}
+
 /// What a claim attempt is about.
 #[derive(Debug, Clone, Copy)]
 pub struct NewRequest<'a> {

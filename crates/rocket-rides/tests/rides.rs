@@ -7,12 +7,11 @@ use std::sync::Arc;
 
 use common::{TestApp, RIDE};
 use fakestripe::Faults;
-use idempotency::{Claim, Fingerprint, IdempotencyKey, NewRequest};
+use idempotency::Claim;
 use idempotency_axum::problem::types as key_types;
-use rocket_rides::booking::{self, BookingError, RidePoint};
+use rocket_rides::booking::{self, BookingError};
 use rocket_rides::failpoints;
 use rocket_rides::problem::types;
-use rocket_rides::rides::RIDES_ROUTE;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
@@ -293,21 +292,8 @@ async fn a_request_that_died_after_finishing_is_replayed_without_waiting(pool: P
 #[sqlx::test(migrations = false)]
 async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
-    let key = IdempotencyKey::parse(b"k-1").unwrap();
-    let body: Value = serde_json::from_str(RIDE).unwrap();
-    let params =
-        serde_json::to_value(rocket_rides::rides::RideRequest::validate(&body).unwrap()).unwrap();
-    let request = NewRequest {
-        user_id,
-        method: "POST",
-        route: RIDES_ROUTE,
-        key: &key,
-        fingerprint: Fingerprint::of_json("POST", RIDES_ROUTE, &body),
-        params: &params,
-    };
     // A claims and stalls (a long GC pause, a partitioned host) until its lease expires.
-    let Claim::Acquired(mut stale) = app.state.store.claim::<RidePoint>(request).await.unwrap()
-    else {
+    let Claim::Acquired(mut stale) = app.claim(user_id, "k-1").await else {
         panic!("A should acquire");
     };
     app.expire_leases();

@@ -8,14 +8,11 @@ use std::time::Duration;
 
 use common::{TestApp, RIDE, TTL};
 use fakestripe::Faults;
-use idempotency::{Claim, Fingerprint, IdempotencyKey, NewRequest};
-use rocket_rides::booking::RidePoint;
+use idempotency::Claim;
 use rocket_rides::config::{GatewayArgs, LeaseArgs, WorkerArgs};
 use rocket_rides::failpoints;
 use rocket_rides::problem::types;
-use rocket_rides::rides::{RideRequest, RIDES_ROUTE};
 use rocket_rides::worker::{completer, outbox, reaper};
-use serde_json::Value;
 use sqlx::PgPool;
 
 fn settings() -> WorkerArgs {
@@ -451,25 +448,10 @@ async fn a_holder_whose_lease_was_taken_over_stops_and_writes_nothing(pool: PgPo
     app.wait_for_point(user_id, "ride_created").await;
     // Another holder takes the key over while the first waits on the gateway. The first one's
     // heartbeat may renew between our clock move and our claim; then we move on and try again.
-    let key = IdempotencyKey::parse(b"k-1").unwrap();
-    let body: Value = serde_json::from_str(RIDE).unwrap();
-    let params = serde_json::to_value(RideRequest::validate(&body).unwrap()).unwrap();
     let mut taker = None;
     for _ in 0..20 {
         app.expire_leases();
-        let claim = app
-            .state
-            .store
-            .claim::<RidePoint>(NewRequest {
-                user_id,
-                method: "POST",
-                route: RIDES_ROUTE,
-                key: &key,
-                fingerprint: Fingerprint::of_json("POST", RIDES_ROUTE, &body),
-                params: &params,
-            })
-            .await
-            .unwrap();
+        let claim = app.claim(user_id, "k-1").await;
         match claim {
             Claim::Acquired(lease) => {
                 taker = Some(lease);

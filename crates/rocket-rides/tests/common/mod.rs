@@ -162,6 +162,31 @@ impl TestApp {
         self.gateway.set_faults(faults);
     }
 
+    /// Claims `key` for `RIDE` directly through the store, as a second holder would.
+    pub async fn claim(
+        &self,
+        user_id: i64,
+        key: &str,
+    ) -> idempotency::Claim<rocket_rides::booking::RidePoint> {
+        let key = idempotency::IdempotencyKey::parse(key.as_bytes()).unwrap();
+        let body: Value = serde_json::from_str(RIDE).unwrap();
+        let request = rocket_rides::rides::RideRequest::validate(&body).unwrap();
+        let params = serde_json::to_value(request).unwrap();
+        let route = rocket_rides::rides::RIDES_ROUTE;
+        self.state
+            .store
+            .claim(idempotency::NewRequest {
+                user_id,
+                method: "POST",
+                route,
+                key: &key,
+                fingerprint: idempotency::Fingerprint::of_json("POST", route, &body),
+                params: &params,
+            })
+            .await
+            .unwrap()
+    }
+
     /// The service's current (moved) time.
     pub fn clock_now(&self) -> time::OffsetDateTime {
         use idempotency::Clock;
