@@ -543,6 +543,18 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         ..(*plan).clone()
     };
     clients::verify(&verify_plan, &mut logs).await;
+    // A request that never reached the server during the run was booked just now by its late
+    // question; let the calm worker deliver its receipt before it stops.
+    let drained = Instant::now();
+    while drained.elapsed() < FINAL_PASS_LIMIT {
+        let staged: i64 = sqlx::query_scalar("SELECT count(*) FROM staged_jobs")
+            .fetch_one(&pool)
+            .await?;
+        if staged == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     calm_worker.stop().await;
     calm.stop().await;
     let _ = stop_gateway.send(());
