@@ -335,6 +335,9 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             // Small drain transactions: a crash in one redoes ten jobs, not a hundred.
             "--drain-batch",
             "10",
+            // Keys a crash or a give-up left behind are many in a large run; work them in parallel.
+            "--completer-concurrency",
+            "16",
         ]
         .map(String::from)
         .to_vec(),
