@@ -35,7 +35,17 @@ die() {
     exit 1
 }
 
-command -v python3 >/dev/null 2>&1 || die "python3 is needed (Debian: apt-get install -y python3 python3-venv)"
+# A fresh Debian or Ubuntu with only Rust may have no Python at all.
+if ! command -v python3 >/dev/null 2>&1; then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        log "python3 not found; installing python3 and python3-venv with apt-get"
+        apt-get update >&2 || die "apt-get update failed"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y python3 python3-venv >&2 ||
+            die "apt-get install python3 python3-venv failed"
+    else
+        die "python3 is needed (Debian: apt-get install -y python3 python3-venv, as root)"
+    fi
+fi
 mkdir -p -- "$WORK"
 
 # ------------------------------------------------------------------ database
