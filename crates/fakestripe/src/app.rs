@@ -42,6 +42,10 @@ struct Inner {
     store: Store,
     /// Held only to read or draw, never across an await.
     faults: Mutex<FaultState>,
+    /// Open (true) unless a test holds charges at the gate; see [`AppState::hold_charges`].
+    gate: tokio::sync::watch::Sender<bool>,
+    /// How many charges wait at the gate now.
+    held: tokio::sync::watch::Sender<usize>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -70,6 +74,8 @@ impl AppState {
                 pool,
                 store,
                 faults: Mutex::new(FaultState::new(faults)),
+                gate: tokio::sync::watch::channel(true).0,
+                held: tokio::sync::watch::channel(0).0,
             }),
         }
     }
@@ -100,6 +106,36 @@ impl AppState {
     /// How many faults of each kind were injected so far.
     pub fn counters(&self) -> FaultCounters {
         self.lock_faults().counters()
+    }
+
+    /// Holds every charge that has claimed its key, before it commits, until
+    /// [`AppState::release_charges`]: a test signal, so that "the gateway is slow" or "the
+    /// gateway charges after the caller gave up" is a state a test sets, not a race it wins.
+    pub fn hold_charges(&self) {
+        self.inner.gate.send_replace(false);
+    }
+
+    /// Lets held charges go on, and the ones that follow through.
+    pub fn release_charges(&self) {
+        self.inner.gate.send_replace(true);
+    }
+
+    /// Resolves once at least `count` charges wait at the gate.
+    pub async fn charges_held(&self, count: usize) {
+        let mut held = self.inner.held.subscribe();
+        // The sender lives in `self`, so the channel cannot close while we wait.
+        let _ = held.wait_for(|n| *n >= count).await;
+    }
+
+    /// Waits at the gate while it is closed.
+    pub(crate) async fn pass_gate(&self) {
+        let mut gate = self.inner.gate.subscribe();
+        if *gate.borrow() {
+            return;
+        }
+        self.inner.held.send_modify(|n| *n += 1);
+        let _ = gate.wait_for(|open| *open).await;
+        self.inner.held.send_modify(|n| *n -= 1);
     }
 
     /// The database pool (its connections use the `fakestripe` schema).

@@ -118,6 +118,7 @@ pub(crate) async fn create(
                 Begun::Run(lease) => lease,
                 Begun::Answer(response) => return Ok(response),
             };
+        state.pass_gate().await;
         if !plan.delay.is_zero() {
             state.record_fault(FaultKind::Latency);
             tokio::time::sleep(plan.delay).await;

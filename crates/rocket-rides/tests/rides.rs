@@ -495,17 +495,15 @@ async fn a_gateway_that_times_out_after_charging_is_a_503_and_the_retry_gets_tha
     };
     let app = TestApp::start_with(pool, gateway).await;
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    app.set_faults(Faults {
-        latency_ms: 1000,
-        ..Faults::default()
-    });
+    // The gateway holds the charge past our timeout and commits it after we gave up.
+    app.gateway.hold_charges();
     let timed_out = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(timed_out.status, 503, "{timed_out:?}");
     assert_eq!(app.recovery_point(user_id).await, "ride_created");
 
     // The gateway finishes the charge on its own; the client's retries (409 at the gateway while
     // it runs, then its replay) end with the charge it made, not a second one.
-    app.set_faults(Faults::default());
+    app.gateway.release_charges();
     let done = app.post_until_final(&api_key, "k-1", RIDE).await;
     assert_eq!(done.status, 201, "{done:?}");
     assert_one_paid_ride(&app).await;
@@ -599,10 +597,7 @@ async fn an_oversized_body_is_a_413_problem_and_writes_no_key(pool: PgPool) {
 #[sqlx::test(migrations = false)]
 async fn a_client_that_hangs_up_mid_request_does_not_leave_its_key_locked(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
-    app.set_faults(Faults {
-        latency_ms: 1500,
-        ..Faults::default()
-    });
+    app.gateway.hold_charges();
     // The client gives up after 300 ms, while the gateway call is under way.
     let impatient = reqwest::Client::builder()
         .timeout(std::time::Duration::from_millis(300))
@@ -616,6 +611,7 @@ async fn a_client_that_hangs_up_mid_request_does_not_leave_its_key_locked(pool: 
         .send()
         .await;
     assert!(gone.is_err(), "the client timed out");
+    app.gateway.release_charges();
     // The server finishes the request anyway, within the gateway's latency rather than after a
     // lease TTL (30 s) of a key locked by nobody; the retry then replays it.
     app.wait_for_point(user_id, "finished").await;

@@ -380,13 +380,6 @@ async fn two_drains_at_once_deliver_every_receipt_exactly_once(pool: PgPool) {
     assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 0);
 }
 
-fn slow_gateway(latency_ms: u64) -> Faults {
-    Faults {
-        latency_ms,
-        ..Faults::default()
-    }
-}
-
 async fn app_with_heartbeat(pool: PgPool) -> TestApp {
     let lease = LeaseArgs {
         lease_ttl: TTL,
@@ -398,13 +391,14 @@ async fn app_with_heartbeat(pool: PgPool) -> TestApp {
 #[sqlx::test(migrations = false)]
 async fn the_heartbeat_keeps_the_lease_of_a_slow_gateway_call(pool: PgPool) {
     let app = Arc::new(app_with_heartbeat(pool).await);
-    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    app.set_faults(slow_gateway(3000));
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // The gateway holds the charge until the test lets it go: a call as slow as the test needs.
+    app.gateway.hold_charges();
     let request = {
         let (app, api_key) = (app.clone(), api_key.clone());
         tokio::spawn(async move { app.post_ride(Some(&api_key), Some("k-1"), RIDE).await })
     };
-    app.wait_for_point(user_id, "ride_created").await;
+    app.gateway.charges_held(1).await;
     let renewed = |app: Arc<TestApp>, beyond: Duration| async move {
         // The lease as renewed by the holder must end after the moved clock + most of a TTL.
         let deadline = app.clock_now() + beyond;
@@ -429,6 +423,7 @@ async fn the_heartbeat_keeps_the_lease_of_a_slow_gateway_call(pool: PgPool) {
     // 50 s after the claim, a 30 s lease would be over; the renewed one is not.
     let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(second.status, 409);
+    app.gateway.release_charges();
     let first = request.await.unwrap();
     assert_eq!(first.status, 201, "{first:?}");
     assert_eq!((app.rides().await, app.charges().await), (1, 1));
@@ -438,14 +433,14 @@ async fn the_heartbeat_keeps_the_lease_of_a_slow_gateway_call(pool: PgPool) {
 async fn a_holder_whose_lease_was_taken_over_stops_and_writes_nothing(pool: PgPool) {
     let app = Arc::new(app_with_heartbeat(pool).await);
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    // Longer than the gateway timeout (10 s): without a heartbeat the holder would only learn of
-    // the takeover after the call timed out, and answer 503 instead of stopping at once.
-    app.set_faults(slow_gateway(20_000));
+    // The gateway holds the charge: without a heartbeat the holder would only learn of the
+    // takeover after its call timed out (10 s), and answer 503 instead of stopping at once.
+    app.gateway.hold_charges();
     let request = {
         let (app, api_key) = (app.clone(), api_key.clone());
         tokio::spawn(async move { app.post_ride(Some(&api_key), Some("k-1"), RIDE).await })
     };
-    app.wait_for_point(user_id, "ride_created").await;
+    app.gateway.charges_held(1).await;
     // Another holder takes the key over while the first waits on the gateway. The first one's
     // heartbeat may renew between our clock move and our claim; then we move on and try again.
     let mut taker = None;
@@ -480,6 +475,7 @@ async fn a_holder_whose_lease_was_taken_over_stops_and_writes_nothing(pool: PgPo
     // The new holder carries on from ride_created under the same gateway key (the completer
     // and retry tests show that path); the test ends here, with the gateway call still running.
     drop(taker);
+    app.gateway.release_charges();
 }
 
 #[sqlx::test(migrations = false)]
@@ -488,7 +484,7 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
 ) {
     let app = TestApp::start(pool).await;
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    app.set_faults(slow_gateway(3000));
+    app.gateway.hold_charges();
 
     // A real `rocket-rides serve` process, against the same database and gateway.
     let port = {
@@ -531,7 +527,8 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
                 .await
         })
     };
-    app.wait_for_point(user_id, "ride_created").await;
+    // The request is inside its gateway call, which the gateway holds.
+    app.gateway.charges_held(1).await;
     let pid = server.id().unwrap().to_string();
     let kill = std::process::Command::new("kill")
         .args(["-TERM", &pid])
@@ -552,7 +549,7 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
         app.key_state(user_id).await,
         Some(("ride_created".into(), false))
     );
-    app.set_faults(Faults::default());
+    app.gateway.release_charges();
     let done = app.post_until_final(&api_key, "k-1", RIDE).await;
     assert_eq!(done.status, 201, "{done:?}");
     assert_eq!((app.rides().await, app.charges().await), (1, 1));
