@@ -86,6 +86,14 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The routes of `rocket-rides worker --metrics-listen`: its counters and liveness.
+pub fn worker_router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(crate::metrics::scrape))
+        .with_state(state)
+}
+
 /// Ready when the database answers.
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     match sqlx::query("SELECT 1").execute(&state.pool).await {

@@ -63,6 +63,9 @@ enum Command {
         /// Run each loop once and exit (for cron-style use and for tests).
         #[arg(long)]
         once: bool,
+        /// Serve the worker's counters (`GET /metrics`) on this address.
+        #[arg(long, env = "WORKER_METRICS_LISTEN")]
+        metrics_listen: Option<SocketAddr>,
         #[command(flatten)]
         worker: WorkerArgs,
         #[command(flatten)]
@@ -183,6 +186,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Worker {
             db,
             once,
+            metrics_listen,
             worker,
             gateway,
             lease,
@@ -198,6 +202,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 let steps = Shutdown::new();
                 let stopping = steps.stopping();
                 state.giving_up = steps.giving_up();
+                if let Some(address) = metrics_listen {
+                    let listener = tokio::net::TcpListener::bind(address)
+                        .await
+                        .with_context(|| format!("listen on {address}"))?;
+                    let mut stopping = steps.stopping();
+                    tokio::spawn(app::serve(
+                        listener,
+                        app::worker_router(state.clone()),
+                        async move { stopping.wait().await },
+                    ));
+                }
                 tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
                 tracing::info!("worker running");
                 crate::worker::run(&state, &worker, stopping).await;

@@ -55,7 +55,14 @@ struct Counters {
     claims: [AtomicU64; 4],
     charges: [AtomicU64; 4],
     leases_lost: AtomicU64,
+    /// Completer outcomes, in the order of [`COMPLETER_OUTCOMES`].
+    completer: [AtomicU64; 5],
+    receipts_delivered: AtomicU64,
+    keys_reaped: AtomicU64,
 }
+
+/// The labels of `completer_keys_total`.
+const COMPLETER_OUTCOMES: [&str; 5] = ["claimed", "finished", "retried", "lost", "undecodable"];
 
 impl Metrics {
     /// Counts one claim.
@@ -71,6 +78,30 @@ impl Metrics {
     /// Counts a request or completer attempt that found its lease taken over.
     pub fn lease_lost(&self) {
         self.0.leases_lost.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one completer pass.
+    pub fn completer_pass(&self, report: &crate::worker::completer::Report) {
+        let counts = [
+            report.claimed,
+            report.finished,
+            report.retried,
+            report.lost,
+            report.undecodable,
+        ];
+        for (counter, n) in self.0.completer.iter().zip(counts) {
+            counter.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts receipts the outbox drain delivered.
+    pub fn receipts_delivered(&self, n: u64) {
+        self.0.receipts_delivered.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counts keys the reaper deleted.
+    pub fn keys_reaped(&self, n: u64) {
+        self.0.keys_reaped.fetch_add(n, Ordering::Relaxed);
     }
 
     fn http(&self, method: &str, route: &str, status: u16) {
@@ -125,6 +156,24 @@ impl Metrics {
             "idempotency_leases_lost_total {}",
             self.0.leases_lost.load(Ordering::Relaxed)
         );
+        out.push_str(
+            "# HELP completer_keys_total Keys the completer claimed, and how each attempt ended.\n",
+        );
+        out.push_str("# TYPE completer_keys_total counter\n");
+        for (name, counter) in COMPLETER_OUTCOMES.iter().zip(&self.0.completer) {
+            let count = counter.load(Ordering::Relaxed);
+            let _ = writeln!(out, "completer_keys_total{{outcome=\"{name}\"}} {count}");
+        }
+        out.push_str(
+            "# HELP outbox_receipts_delivered_total Ride receipts the outbox drain delivered.\n",
+        );
+        out.push_str("# TYPE outbox_receipts_delivered_total counter\n");
+        let delivered = self.0.receipts_delivered.load(Ordering::Relaxed);
+        let _ = writeln!(out, "outbox_receipts_delivered_total {delivered}");
+        out.push_str("# HELP reaper_keys_deleted_total Finished keys the reaper deleted.\n");
+        out.push_str("# TYPE reaper_keys_deleted_total counter\n");
+        let reaped = self.0.keys_reaped.load(Ordering::Relaxed);
+        let _ = writeln!(out, "reaper_keys_deleted_total {reaped}");
         if let Some(unfinished) = unfinished_keys {
             out.push_str(
                 "# HELP idempotency_keys_unfinished Keys not yet finished, across all processes.\n",

@@ -554,3 +554,44 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
     assert_eq!(done.status, 201, "{done:?}");
     assert_eq!((app.rides().await, app.charges().await), (1, 1));
 }
+
+#[sqlx::test(migrations = false)]
+async fn the_worker_counts_what_its_loops_did_on_its_metrics_endpoint(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    abandon(&app, &api_key, "k-1", failpoints::AFTER_RIDE_CREATED).await;
+    past_grace(&app);
+    rocket_rides::worker::run_once(&app.state, &settings())
+        .await
+        .unwrap();
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let router = rocket_rides::app::worker_router(app.state.clone());
+    tokio::spawn(rocket_rides::app::serve(
+        listener,
+        router,
+        std::future::pending(),
+    ));
+    let text = app
+        .http
+        .get(format!("http://{address}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "completer_keys_total{outcome=\"claimed\"} 1",
+        "completer_keys_total{outcome=\"finished\"} 1",
+        "completer_keys_total{outcome=\"retried\"} 0",
+        "outbox_receipts_delivered_total 1",
+        "idempotency_keys_unfinished 0",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
+    }
+}

@@ -86,6 +86,7 @@ pub async fn run_once(
     if report.claimed > 0 {
         tracing::info!(?report, "completer pass");
     }
+    state.metrics.completer_pass(&report);
     Ok(report)
 }
 

@@ -92,6 +92,7 @@ pub async fn run_once(state: &AppState, batch: i64) -> Result<usize, DrainError>
             .await?;
     }
     tx.commit().await?;
+    state.metrics.receipts_delivered(jobs.len() as u64);
     Ok(jobs.len())
 }
 

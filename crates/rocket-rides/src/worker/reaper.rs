@@ -17,6 +17,7 @@ pub async fn run_once(state: &AppState, settings: &WorkerArgs) -> Result<u64, id
             .await?;
         total += deleted;
         if deleted < settings.reaper_batch as u64 {
+            state.metrics.keys_reaped(total);
             return Ok(total);
         }
     }
