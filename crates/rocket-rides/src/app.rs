@@ -20,6 +20,20 @@ use crate::stripe::StripeClient;
 /// The largest request body accepted; a ride request is about 120 bytes.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
 
+/// Why the service's state could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A setting, or a relation between settings, does not hold.
+    #[error("invalid settings: {0}")]
+    Settings(String),
+    /// The key store refused its configuration.
+    #[error(transparent)]
+    Store(#[from] idempotency::Error),
+    /// The gateway client could not be built.
+    #[error("build the gateway client: {0}")]
+    Gateway(#[from] reqwest::Error),
+}
+
 /// Everything a handler needs. Cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
@@ -47,8 +61,8 @@ impl AppState {
         clock: Arc<dyn Clock>,
         gateway: &GatewayArgs,
         lease: &LeaseArgs,
-    ) -> anyhow::Result<Self> {
-        crate::config::validate(gateway, lease).map_err(anyhow::Error::msg)?;
+    ) -> Result<Self, StartError> {
+        crate::config::validate(gateway, lease).map_err(StartError::Settings)?;
         let store = Store::new(pool.clone(), clock, lease.lease_ttl)?;
         let stripe = StripeClient::new(
             &gateway.stripe_api_base,
@@ -64,7 +78,7 @@ impl AppState {
             giving_up: Signal::never(),
             metrics: Metrics::default(),
             #[cfg(feature = "failpoints")]
-            failpoints: crate::failpoints::Failpoints::from_env().map_err(anyhow::Error::msg)?,
+            failpoints: crate::failpoints::Failpoints::from_env().map_err(StartError::Settings)?,
         })
     }
 }

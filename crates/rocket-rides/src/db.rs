@@ -17,8 +17,19 @@ pub async fn connect(database_url: &str, max_connections: u32) -> Result<PgPool,
         .await
 }
 
+/// Why migrating failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    /// The idempotency crate's migrations.
+    #[error(transparent)]
+    Library(#[from] idempotency::Error),
+    /// The service's own migrations.
+    #[error("apply the rocket-rides migrations: {0}")]
+    Service(#[from] sqlx::migrate::MigrateError),
+}
+
 /// Applies the idempotency crate's migrations, then the service's own.
-pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
+pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
     idempotency::migrate(pool).await?;
     let mut migrator = sqlx::migrate!("./migrations");
     // The idempotency crate's migrations share sqlx's bookkeeping table.

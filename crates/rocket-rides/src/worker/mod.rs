@@ -18,12 +18,30 @@ use crate::app::AppState;
 use crate::config::WorkerArgs;
 use crate::shutdown::Signal;
 
+/// Why a worker pass failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The completer could not claim.
+    #[error("completer: {0}")]
+    Completer(idempotency::Error),
+    /// The outbox drain failed.
+    #[error(transparent)]
+    Drain(#[from] outbox::DrainError),
+    /// The reaper could not delete.
+    #[error("reaper: {0}")]
+    Reaper(idempotency::Error),
+}
+
 /// Runs every loop once, in order: completer, drain (so that receipts of the keys just finished
 /// go out too), reaper.
-pub async fn run_once(state: &AppState, settings: &WorkerArgs) -> anyhow::Result<()> {
-    let completed = completer::run_once(state, settings).await?;
+pub async fn run_once(state: &AppState, settings: &WorkerArgs) -> Result<(), WorkerError> {
+    let completed = completer::run_once(state, settings)
+        .await
+        .map_err(WorkerError::Completer)?;
     let delivered = outbox::run_once(state, settings.drain_batch).await?;
-    let reaped = reaper::run_once(state, settings).await?;
+    let reaped = reaper::run_once(state, settings)
+        .await
+        .map_err(WorkerError::Reaper)?;
     tracing::info!(?completed, delivered, reaped, "worker pass done");
     Ok(())
 }
