@@ -98,12 +98,31 @@ pub fn render(report: &Report) -> String {
         "no responses recorded",
     );
     let kinds = ordered_faults(report);
+    // Kinds that never reach the timeline (latency and delay, which touch nearly every call)
+    // are counted in the table below, not charted, where they would bury the discrete faults.
+    let charted: Vec<(String, &'static str)> = kinds
+        .iter()
+        .filter(|(kind, _)| report.timeline.iter().any(|b| b.faults.contains_key(kind)))
+        .cloned()
+        .collect();
     out.push_str("<h2 id=\"faults-chart\">Faults injected per second</h2>\n");
+    let uncharted: Vec<&str> = kinds
+        .iter()
+        .filter(|k| !charted.contains(k))
+        .map(|(kind, _)| kind.as_str())
+        .collect();
+    if !uncharted.is_empty() {
+        let _ = writeln!(
+            out,
+            "<p class=\"note\">Not charted (they touch nearly every call; see the table): {}</p>",
+            escape(&uncharted.join(", "))
+        );
+    }
     chart(
         &mut out,
         &report.timeline,
         |b| &b.faults,
-        &kinds,
+        &charted,
         "faults / s",
         "no faults injected",
     );
