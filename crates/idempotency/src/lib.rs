@@ -55,9 +55,11 @@ pub use store::{
 
 /// Creates or updates the crate's table in the database behind `pool`.
 ///
-/// The crate's migrations share sqlx's bookkeeping table with the application's own; each set
-/// ignores the other's entries, and the crate's versions sort first, so an application can run
-/// this and then its own migrations, whose tables may reference `idempotency_keys(id)`.
+/// The crate's migrations share sqlx's bookkeeping table with the application's own, and the
+/// crate's versions sort first, so an application can run this and then its own migrations,
+/// whose tables may reference `idempotency_keys(id)`. Each set must ignore the other's entries:
+/// this one does, and the application's migrator needs `set_ignore_missing(true)` too, or sqlx
+/// reports the crate's entries as "previously applied but missing".
 pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), Error> {
     let mut migrator = sqlx::migrate!("./migrations");
     migrator.set_ignore_missing(true);
