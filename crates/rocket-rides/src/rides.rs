@@ -265,7 +265,9 @@ async fn book(state: &AppState, mut lease: Lease<RidePoint>) -> Result<Response,
         _ = giving_up.wait() => Err(BookingError::GivenUp),
     };
     let key_id = lease.key_id();
-    let error = match outcome {
+    // Every failure but a crash and a lost lease hands the key back: the retry resumes from its
+    // recovery point at once instead of waiting for the lease to expire.
+    let answer = match outcome {
         Ok(stored) => return Ok(stored_response(&stored)),
         Err(BookingError::Crashed(point)) => {
             // A simulated crash: the lease is kept until it expires, as a dead process keeps it.
@@ -273,29 +275,19 @@ async fn book(state: &AppState, mut lease: Lease<RidePoint>) -> Result<Response,
             return Err(ApiError::Internal(format!("crashed at {point}")));
         }
         Err(BookingError::LeaseLost(e)) => {
+            // The lease is someone else's now; there is nothing of ours to release.
             state.metrics.lease_lost();
             tracing::warn!(key_id, error = %e, "lease taken over mid-request");
             return Err(ApiError::LeaseLost);
         }
-        Err(
-            e @ (BookingError::GatewayUnavailable(_)
-            | BookingError::GivenUp
-            | BookingError::Internal(_)),
-        ) => e,
+        Err(BookingError::GatewayUnavailable(why)) => ApiError::GatewayUnavailable(why),
+        Err(BookingError::GivenUp) => ApiError::ShuttingDown,
+        Err(BookingError::Internal(why)) => ApiError::Internal(why),
     };
-    // Hand the key back at once, keeping its recovery point: the retry resumes from it.
     if let Err(release) = state.store.release(lease).await {
         tracing::warn!(key_id, error = %release, "could not release lease");
     }
-    Err(match error {
-        BookingError::GatewayUnavailable(why) => ApiError::GatewayUnavailable(why),
-        BookingError::GivenUp => ApiError::ShuttingDown,
-        BookingError::Internal(why) => ApiError::Internal(why),
-        // Handled above; listed so that a new variant must be placed here by hand.
-        BookingError::Crashed(_) | BookingError::LeaseLost(_) => {
-            ApiError::Internal(error.to_string())
-        }
-    })
+    Err(answer)
 }
 
 /// `GET /rides/{id}`: the owner's ride; 404 for everyone else, so ids reveal nothing.

@@ -32,6 +32,26 @@ async fn abandon(app: &TestApp, api_key: &str, key: &str, point: &'static str) {
     assert_eq!(reply.status, 500, "{reply:?}");
 }
 
+/// Eight requests that die after creating their rides, left past the completer's grace.
+async fn abandon_eight_past_grace(app: &TestApp, api_key: &str) {
+    for i in 0..8 {
+        abandon(
+            app,
+            api_key,
+            &format!("k-{i}"),
+            failpoints::AFTER_RIDE_CREATED,
+        )
+        .await;
+    }
+    past_grace(app);
+}
+
+/// Keys acquired exactly twice: by their request, then by one completer.
+async fn worked_by_one_completer(app: &TestApp) -> i64 {
+    app.count("SELECT count(*) FROM idempotency_keys WHERE attempts = 2")
+        .await
+}
+
 async fn unfinished(app: &TestApp) -> i64 {
     app.count("SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL")
         .await
@@ -90,16 +110,7 @@ async fn the_completer_finishes_keys_abandoned_at_each_recovery_point(pool: PgPo
 async fn two_completers_at_once_never_work_the_same_key(pool: PgPool) {
     let app = Arc::new(TestApp::start(pool).await);
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
-    for i in 0..8 {
-        abandon(
-            &app,
-            &api_key,
-            &format!("k-{i}"),
-            failpoints::AFTER_RIDE_CREATED,
-        )
-        .await;
-    }
-    past_grace(&app);
+    abandon_eight_past_grace(&app, &api_key).await;
     let barrier = Arc::new(tokio::sync::Barrier::new(2));
     let mut passes = Vec::new();
     for _ in 0..2 {
@@ -120,18 +131,12 @@ async fn two_completers_at_once_never_work_the_same_key(pool: PgPool) {
         claimed += report.claimed;
     }
     // Each key was acquired twice in all: by its request, then by exactly one completer.
-    let twice = app
-        .count("SELECT count(*) FROM idempotency_keys WHERE attempts = 2")
-        .await;
+    let twice = worked_by_one_completer(&app).await;
     assert_eq!(twice, claimed as i64);
     // Whatever the first pass left (batches of 5), a later pass finishes; nothing twice.
     completer::run_once(&app.state, &settings()).await.unwrap();
     assert_eq!(unfinished(&app).await, 0);
-    assert_eq!(
-        app.count("SELECT count(*) FROM idempotency_keys WHERE attempts = 2")
-            .await,
-        8
-    );
+    assert_eq!(worked_by_one_completer(&app).await, 8);
     assert_eq!((app.rides().await, app.charges().await), (8, 8));
 }
 
@@ -139,16 +144,7 @@ async fn two_completers_at_once_never_work_the_same_key(pool: PgPool) {
 async fn a_completer_skips_keys_another_completer_is_claiming_instead_of_waiting(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
-    for i in 0..8 {
-        abandon(
-            &app,
-            &api_key,
-            &format!("k-{i}"),
-            failpoints::AFTER_RIDE_CREATED,
-        )
-        .await;
-    }
-    past_grace(&app);
+    abandon_eight_past_grace(&app, &api_key).await;
     // Completer A is in the middle of its claim: it holds the row locks of four keys.
     let mut a = app.pool.begin().await.unwrap();
     let locked: Vec<i64> =
@@ -177,11 +173,7 @@ async fn a_completer_skips_keys_another_completer_is_claiming_instead_of_waiting
     a.rollback().await.unwrap();
     let next = completer::run_once(&app.state, &settings()).await.unwrap();
     assert_eq!((next.claimed, next.finished), (4, 4));
-    assert_eq!(
-        app.count("SELECT count(*) FROM idempotency_keys WHERE attempts = 2")
-            .await,
-        8
-    );
+    assert_eq!(worked_by_one_completer(&app).await, 8);
     assert_eq!((app.rides().await, app.charges().await), (8, 8));
 }
 

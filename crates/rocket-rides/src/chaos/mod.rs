@@ -563,11 +563,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     let _ = stop_gateway.send(());
 
     // The audit and the report.
-    let process_exits = recorder
-        .fault_totals()
-        .get("process_exit")
-        .copied()
-        .unwrap_or(0);
+    let process_exits = recorder.unexpected_exits();
     let invariants = audit::audit(&pool, &logs, &before, process_exits).await?;
     let passed = invariants.iter().all(|i| i.passed);
     let mut outcomes = BTreeMap::new();

@@ -94,7 +94,7 @@ async fn supervise(
                 // Counted as an unexpected exit, so that the audit fails rather than passing
                 // over a process that never ran.
                 tracing::error!(name = %spec.name, error = %e, "cannot start process");
-                recorder.fault("process_exit", 1);
+                recorder.unexpected_exit();
                 return;
             }
         };
@@ -105,7 +105,7 @@ async fn supervise(
                     Some(point) => recorder.fault(&format!("crash_{point}"), 1),
                     None => {
                         tracing::warn!(name = %spec.name, ?code, "process exited on its own");
-                        recorder.fault("process_exit", 1);
+                        recorder.unexpected_exit();
                     }
                 }
             }

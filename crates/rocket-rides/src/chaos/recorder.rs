@@ -13,6 +13,9 @@ struct Events {
     /// Added latency: counted, but left out of the timeline, where a delay on nearly every
     /// connection would bury the discrete faults.
     ambient: BTreeMap<String, u64>,
+    /// Processes that died of something the harness did not do to them: not a fault it
+    /// injected, but a finding for the auditor.
+    unexpected_exits: u64,
 }
 
 /// Shared by every task of a run. Cheap to clone.
@@ -63,6 +66,22 @@ impl Recorder {
             let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
             *events.ambient.entry(kind.to_owned()).or_default() += count;
         }
+    }
+
+    /// A process exited, or could not start, other than by the harness's hand.
+    pub(crate) fn unexpected_exit(&self) {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unexpected_exits += 1;
+    }
+
+    /// How many processes exited other than by the harness's hand.
+    pub(crate) fn unexpected_exits(&self) -> u64 {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unexpected_exits
     }
 
     /// Totals by kind, latency included.
