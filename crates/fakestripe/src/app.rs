@@ -28,6 +28,28 @@ use crate::{charges, customers, ids};
 /// gateway dies mid-request.
 pub const LEASE_TTL: Duration = Duration::from_secs(30);
 
+/// How long Stripe keeps an idempotency key: it may prune a key once it is 24 hours old, and a
+/// request with a pruned key runs afresh. `fakestripe --idempotency-key-ttl` changes it.
+pub const DEFAULT_IDEMPOTENCY_KEY_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Keys forgotten per statement.
+const FORGET_BATCH: i64 = 1000;
+
+/// Forgets keys older than `ttl` every `ttl / 10` (at least every second, at most every minute)
+/// until the process ends: the gateway's own retention, run by the `fakestripe` binary.
+pub async fn forget_expired_keys(state: AppState, ttl: Duration) {
+    let period = (ttl / 10).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    let mut ticker = tokio::time::interval(period);
+    loop {
+        ticker.tick().await;
+        match state.forget_keys(ttl).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(keys = n, "forgot idempotency keys past their window"),
+            Err(e) => tracing::warn!(error = %e, "could not forget expired idempotency keys"),
+        }
+    }
+}
+
 /// The response header that names a request, as Stripe sends it.
 pub const REQUEST_ID: &str = "request-id";
 
@@ -138,6 +160,28 @@ impl AppState {
         self.inner.held.send_modify(|n| *n -= 1);
     }
 
+    /// Forgets every idempotency key that finished more than `older_than` ago, as Stripe prunes
+    /// keys once they are 24 hours old: a request sent later with such a key runs afresh.
+    /// Returns how many keys were forgotten.
+    pub async fn forget_keys(&self, older_than: Duration) -> Result<u64, crate::Error> {
+        let mut forgotten = 0;
+        loop {
+            let batch = self.store().reap_finished(older_than, FORGET_BATCH).await?;
+            forgotten += batch;
+            if batch < FORGET_BATCH as u64 {
+                break;
+            }
+        }
+        self.lock_faults().record_forgotten(forgotten);
+        Ok(forgotten)
+    }
+
+    /// Settles every `pending` charge as `succeeded`, or as `failed` (declined); returns how
+    /// many. A test decides when a pending charge settles; Stripe decides on its own.
+    pub async fn settle_pending_charges(&self, succeeded: bool) -> Result<u64, crate::Error> {
+        crate::db::settle_pending_charges(self.pool(), succeeded).await
+    }
+
     /// The database pool (its connections use the `fakestripe` schema).
     pub fn pool(&self) -> &PgPool {
         &self.inner.pool
@@ -168,7 +212,10 @@ impl AppState {
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/customers", post(customers::create))
-        .route("/v1/customers/{id}", get(customers::retrieve))
+        .route(
+            "/v1/customers/{id}",
+            get(customers::retrieve).delete(customers::delete),
+        )
         .route("/v1/charges", post(charges::create).get(charges::list))
         .route("/v1/charges/{id}", get(charges::retrieve))
         .fallback(unrecognized_url)

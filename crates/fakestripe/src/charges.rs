@@ -17,7 +17,7 @@ use crate::app::{run_detached, AppState};
 use crate::auth::Account;
 use crate::customers::MAX_DESCRIPTION_LEN;
 use crate::db::{self, Cursor, NewCharge, Page};
-use crate::faults::{AfterCharge, FaultKind};
+use crate::faults::{AfterCharge, FaultKind, Stored};
 use crate::idempotent::{self, Begun, Operation};
 use crate::messages;
 use crate::params::{self, FormBody, QueryParams};
@@ -37,7 +37,7 @@ pub(crate) const DEFAULT_LIMIT: i64 = 10;
 /// The largest `limit`.
 pub(crate) const MAX_LIMIT: i64 = 100;
 
-/// A successful charge, as stored. Serialized by [`Charge::to_json`] as Stripe's charge object.
+/// A charge, as stored. Serialized by [`Charge::to_json`] as Stripe's charge object.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Charge {
     /// `ch_…`.
@@ -54,8 +54,13 @@ pub struct Charge {
     pub description: Option<String>,
     /// String values under string keys.
     pub metadata: Value,
-    /// Always `succeeded`: declined charges are not stored.
+    /// `succeeded`, `pending` (settles later) or `failed` (a pending charge that was declined).
+    /// A charge declined at once is not stored: its 402 is kept with its key instead.
     pub status: String,
+    /// Why a `failed` charge failed (`card_declined`).
+    pub failure_code: Option<String>,
+    /// The human message of a `failed` charge.
+    pub failure_message: Option<String>,
     /// The idempotency key whose request made it, while that key is kept.
     pub idempotency_key_id: Option<i64>,
     /// When it was committed.
@@ -76,11 +81,11 @@ impl Charge {
             "currency": self.currency,
             "customer": self.customer,
             "description": self.description,
-            "failure_code": null,
-            "failure_message": null,
+            "failure_code": self.failure_code,
+            "failure_message": self.failure_message,
             "livemode": false,
             "metadata": self.metadata,
-            "paid": true,
+            "paid": self.status == "succeeded",
             "refunded": false,
             "status": self.status,
         })
@@ -88,6 +93,10 @@ impl Charge {
 }
 
 /// `POST /v1/charges` (`amount`, `currency`, `customer`, `description`, `metadata[…]`).
+///
+/// The parameters are checked first; then the key is claimed, so that a key with a stored
+/// result replays it, whatever happened since; then, inside the charge's transaction, the
+/// customer is looked up (an unknown or deleted one is refused, and nothing is kept).
 pub(crate) async fn create(
     State(state): State<AppState>,
     account: Account,
@@ -96,10 +105,6 @@ pub(crate) async fn create(
 ) -> Result<Response, ApiError> {
     let key = idempotent::key_from_headers(&headers)?;
     let charge = parse_new_charge(&params)?;
-    // An unknown customer is bad input like any other: refused before the key is claimed.
-    let customer = db::find_customer(state.pool(), account.id, &charge.customer_id)
-        .await?
-        .ok_or_else(|| ApiError::no_such_param("customer", &charge.customer_id, "customer"))?;
 
     let plan = state.plan_faults();
     if plan.conflict_in_flight {
@@ -123,8 +128,21 @@ pub(crate) async fn create(
             state.record_fault(FaultKind::Latency);
             tokio::time::sleep(plan.delay).await;
         }
-        let op = Operation::CreateCharge { customer, charge };
-        let outcome = idempotent::complete(&state, account.id, lease, &op).await?;
+        let op = Operation::CreateCharge {
+            charge,
+            pending: plan.pending,
+        };
+        let outcome = idempotent::complete(&state, account.id, lease, &op, plan.stored).await?;
+        if outcome.stored_server_error {
+            state.record_fault(match plan.stored {
+                Stored::ServerErrorAfterCharge => FaultKind::Sticky500AfterCharge,
+                Stored::ServerErrorInstead | Stored::Outcome => FaultKind::Sticky500BeforeCharge,
+            });
+            return Ok(idempotency_axum::stored_response(&outcome.response));
+        }
+        if outcome.charged && plan.pending {
+            state.record_fault(FaultKind::PendingCharge);
+        }
         if outcome.charged {
             match plan.after_charge {
                 AfterCharge::Respond => {}
@@ -216,8 +234,8 @@ pub(crate) async fn retrieve(
     }
 }
 
-/// `GET /v1/charges` (`limit`, `starting_after`, `ending_before`, `customer`): a list object,
-/// newest first.
+/// `GET /v1/charges` (`limit`, `starting_after`, `ending_before`, `customer`, `created`): a list
+/// object, newest first.
 pub(crate) async fn list(
     State(state): State<AppState>,
     account: Account,
@@ -225,7 +243,13 @@ pub(crate) async fn list(
 ) -> Result<Response, ApiError> {
     params::reject_unknown(
         &params,
-        &["customer", "ending_before", "limit", "starting_after"],
+        &[
+            "created",
+            "customer",
+            "ending_before",
+            "limit",
+            "starting_after",
+        ],
     )?;
     let limit = params::optional_integer(&params, "limit")?.unwrap_or(DEFAULT_LIMIT);
     if !(1..=MAX_LIMIT).contains(&limit) {
@@ -244,10 +268,12 @@ pub(crate) async fn list(
         (None, None) => (Cursor::Newest, ""),
     };
     let customer = params::optional_string(&params, "customer", 255)?;
+    let created = params::created_range(&params)?;
     let page = db::list_charges(
         state.pool(),
         account.id,
         customer.as_deref(),
+        created,
         &cursor,
         limit,
     )

@@ -13,6 +13,7 @@ use crate::api_error::ApiError;
 use crate::app::{run_detached, AppState};
 use crate::auth::Account;
 use crate::db::{self, NewCustomer};
+use crate::faults::Stored;
 use crate::idempotent::{self, Begun, Operation};
 use crate::params::{self, FormBody};
 
@@ -59,12 +60,17 @@ pub(crate) struct Customer {
     pub(crate) description: Option<String>,
     pub(crate) source: Option<Source>,
     pub(crate) metadata: Value,
+    /// Deleted (`DELETE /v1/customers/{id}`): kept for its charges, refused for new ones.
+    pub(crate) deleted: bool,
     pub(crate) created: OffsetDateTime,
 }
 
 impl Customer {
-    /// Stripe's customer object.
+    /// Stripe's customer object; a deleted customer is only its id, as Stripe shows it.
     pub(crate) fn to_json(&self) -> Value {
+        if self.deleted {
+            return deleted_json(&self.id);
+        }
         json!({
             "id": self.id,
             "object": "customer",
@@ -94,7 +100,7 @@ pub(crate) async fn create(
                 Begun::Answer(response) => return Ok(response),
             };
         let op = Operation::CreateCustomer(new);
-        let outcome = idempotent::complete(&state, account.id, lease, &op).await?;
+        let outcome = idempotent::complete(&state, account.id, lease, &op, Stored::Outcome).await?;
         Ok(idempotency_axum::stored_response(&outcome.response))
     })
     .await
@@ -143,4 +149,24 @@ pub(crate) async fn retrieve(
         Some(customer) => Ok(axum::Json(customer.to_json())),
         None => Err(ApiError::not_found("customer", &id)),
     }
+}
+
+/// `DELETE /v1/customers/{id}`: the customer stays (its charges name it) but every later charge
+/// of it is refused for good (400 `resource_missing`), as Stripe refuses a deleted customer: the
+/// gateway's permanent refusal, for the clients that must handle one.
+pub(crate) async fn delete(
+    State(state): State<AppState>,
+    account: Account,
+    Path(id): Path<String>,
+) -> Result<axum::Json<Value>, ApiError> {
+    if db::delete_customer(state.pool(), account.id, &id).await? {
+        tracing::info!(customer = %id, "customer deleted");
+        Ok(axum::Json(deleted_json(&id)))
+    } else {
+        Err(ApiError::not_found("customer", &id))
+    }
+}
+
+fn deleted_json(id: &str) -> Value {
+    json!({"id": id, "object": "customer", "deleted": true})
 }

@@ -119,7 +119,7 @@ pub(crate) struct NewCustomer {
     pub(crate) metadata: Value,
 }
 
-const CUSTOMER_COLUMNS: &str = "id, email, description, source, metadata, created";
+const CUSTOMER_COLUMNS: &str = "id, email, description, source, metadata, deleted, created";
 
 fn customer_from_row(row: &PgRow) -> Result<Customer, sqlx::Error> {
     let source: Option<String> = row.try_get("source")?;
@@ -136,6 +136,7 @@ fn customer_from_row(row: &PgRow) -> Result<Customer, sqlx::Error> {
         description: row.try_get("description")?,
         source,
         metadata: row.try_get::<Json<Value>, _>("metadata")?.0,
+        deleted: row.try_get("deleted")?,
         created: row.try_get("created")?,
     })
 }
@@ -166,9 +167,9 @@ pub(crate) async fn insert_customer(
     customer_from_row(&row).map_err(Error::db(format!("decode customer {id}")))
 }
 
-/// A customer of `account_id`; another account's customers do not exist for it.
+/// A customer of `account_id`, deleted or not; another account's customers do not exist for it.
 pub(crate) async fn find_customer(
-    pool: &PgPool,
+    db: impl sqlx::PgExecutor<'_>,
     account_id: i64,
     id: &str,
 ) -> Result<Option<Customer>, Error> {
@@ -178,13 +179,33 @@ pub(crate) async fn find_customer(
     ))
     .bind(account_id)
     .bind(id)
-    .fetch_optional(pool)
+    .fetch_optional(db)
     .await
     .map_err(Error::db(context()))?;
     row.as_ref()
         .map(customer_from_row)
         .transpose()
         .map_err(Error::db(context()))
+}
+
+/// Marks a customer of `account_id` deleted; false when there is no such customer, or it is
+/// deleted already.
+pub(crate) async fn delete_customer(
+    pool: &PgPool,
+    account_id: i64,
+    id: &str,
+) -> Result<bool, Error> {
+    let deleted = sqlx::query(
+        "UPDATE customers SET deleted = true WHERE account_id = $1 AND id = $2 AND NOT deleted",
+    )
+    .bind(account_id)
+    .bind(id)
+    .execute(pool)
+    .await
+    .map_err(Error::db(format!(
+        "delete customer {id:?} of account {account_id}"
+    )))?;
+    Ok(deleted.rows_affected() == 1)
 }
 
 /// What a new charge is made of, validated.
@@ -198,7 +219,7 @@ pub(crate) struct NewCharge {
 }
 
 const CHARGE_COLUMNS: &str = "id, account_id, customer_id, amount, currency, description, \
-    metadata, status, idempotency_key_id, created";
+    metadata, status, failure_code, failure_message, idempotency_key_id, created";
 
 fn charge_from_row(row: &PgRow) -> Result<Charge, sqlx::Error> {
     Ok(Charge {
@@ -210,6 +231,8 @@ fn charge_from_row(row: &PgRow) -> Result<Charge, sqlx::Error> {
         description: row.try_get("description")?,
         metadata: row.try_get::<Json<Value>, _>("metadata")?.0,
         status: row.try_get("status")?,
+        failure_code: row.try_get("failure_code")?,
+        failure_message: row.try_get("failure_message")?,
         idempotency_key_id: row.try_get("idempotency_key_id")?,
         created: row.try_get("created")?,
     })
@@ -222,7 +245,8 @@ fn charges_from_rows(rows: &[PgRow], context: &str) -> Result<Vec<Charge>, Error
         .map_err(Error::db(context))
 }
 
-/// Inserts a successful charge, tied to the idempotency key whose request made it, if any.
+/// Inserts a charge (`succeeded`, or `pending` when `pending`), tied to the idempotency key
+/// whose request made it, if any.
 ///
 /// Inside a key's final phase, `charges.idempotency_key_id UNIQUE` is the database's own
 /// guarantee of one charge per key, whatever happened to the lease.
@@ -230,13 +254,14 @@ pub(crate) async fn insert_charge(
     conn: &mut PgConnection,
     account_id: i64,
     new: &NewCharge,
+    pending: bool,
     idempotency_key_id: Option<i64>,
 ) -> Result<Charge, Error> {
     let id = ids::charge();
     let row = sqlx::query(&format!(
         "INSERT INTO charges (id, account_id, customer_id, amount, currency, description,
-                              metadata, idempotency_key_id)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                              metadata, status, idempotency_key_id)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
          RETURNING {CHARGE_COLUMNS}"
     ))
     .bind(&id)
@@ -246,6 +271,7 @@ pub(crate) async fn insert_charge(
     .bind(&new.currency)
     .bind(&new.description)
     .bind(Json(&new.metadata))
+    .bind(if pending { "pending" } else { "succeeded" })
     .bind(idempotency_key_id)
     .fetch_one(&mut *conn)
     .await
@@ -309,13 +335,23 @@ pub(crate) enum Page {
     NoSuchCursor,
 }
 
-/// Lists an account's charges, optionally of one customer, newest first, by keyset pagination
-/// on `(created, id)`: a total order, since ids are unique, and stable, since charges are never
-/// updated.
+/// The `created` filter of a list: `[from, until)`, either end open.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct CreatedRange {
+    /// Charges created at or after this instant.
+    pub(crate) from: Option<OffsetDateTime>,
+    /// Charges created before this instant.
+    pub(crate) until: Option<OffsetDateTime>,
+}
+
+/// Lists an account's charges, optionally of one customer and of a `created` range, newest
+/// first, by keyset pagination on `(created, id)`: a total order, since ids are unique, and
+/// stable, since neither column ever changes (settling a pending charge changes its status only).
 pub(crate) async fn list_charges(
     pool: &PgPool,
     account_id: i64,
     customer: Option<&str>,
+    created_range: CreatedRange,
     cursor: &Cursor,
     limit: i64,
 ) -> Result<Page, Error> {
@@ -347,6 +383,8 @@ pub(crate) async fn list_charges(
              WHERE account_id = $1
                AND ($2::text IS NULL OR customer_id = $2)
                AND ($3::timestamptz IS NULL OR (created, id) < ($3, $4::text))
+               AND ($6::timestamptz IS NULL OR created >= $6)
+               AND ($7::timestamptz IS NULL OR created < $7)
              ORDER BY created DESC, id DESC
              LIMIT $5"
         )
@@ -356,6 +394,8 @@ pub(crate) async fn list_charges(
              WHERE account_id = $1
                AND ($2::text IS NULL OR customer_id = $2)
                AND (created, id) > ($3, $4::text)
+               AND ($6::timestamptz IS NULL OR created >= $6)
+               AND ($7::timestamptz IS NULL OR created < $7)
              ORDER BY created ASC, id ASC
              LIMIT $5"
         )
@@ -366,6 +406,8 @@ pub(crate) async fn list_charges(
         .bind(created)
         .bind(id)
         .bind(limit + 1)
+        .bind(created_range.from)
+        .bind(created_range.until)
         .fetch_all(pool)
         .await
         .map_err(Error::db(context()))?;
@@ -376,6 +418,32 @@ pub(crate) async fn list_charges(
         charges.reverse();
     }
     Ok(Page::Found { charges, has_more })
+}
+
+/// Settles every pending charge as `succeeded`, or as `failed` with a decline's code and
+/// message; returns how many were settled. (Stripe settles a pending charge on its own; the fake
+/// does it when told, so that a test decides when.)
+pub(crate) async fn settle_pending_charges(pool: &PgPool, succeeded: bool) -> Result<u64, Error> {
+    let (status, code, message) = if succeeded {
+        ("succeeded", None, None)
+    } else {
+        (
+            "failed",
+            Some("card_declined"),
+            Some(crate::messages::CARD_DECLINED),
+        )
+    };
+    let settled = sqlx::query(
+        "UPDATE charges SET status = $1, failure_code = $2, failure_message = $3
+         WHERE status = 'pending'",
+    )
+    .bind(status)
+    .bind(code)
+    .bind(message)
+    .execute(pool)
+    .await
+    .map_err(Error::db("settle pending charges"))?;
+    Ok(settled.rows_affected())
 }
 
 /// How many charges exist, in every account: for audits and tests.

@@ -20,6 +20,10 @@ pub enum Error {
     #[error("apply the fakestripe migrations: {0}")]
     Migrate(#[source] sqlx::migrate::MigrateError),
 
+    /// The TLS certificate or key could not be loaded or used.
+    #[error("TLS: {0}")]
+    Tls(String),
+
     /// The idempotency store failed (including its migrations and a lost lease).
     #[error(transparent)]
     Idempotency(#[from] idempotency::Error),

@@ -7,18 +7,34 @@
 //!  validate ─► plan ─► conflict_in_flight? ─► fail_before_charge? ─► claim key ─► latency+jitter
 //!                          409, no write        500, no write                         │
 //!                                                                                     ▼
-//!   respond ◄── fail_after_charge? (500) ◄── drop_after_charge? (no response) ◄── commit charge
+//!                                          sticky_500_before_charge? (500 stored, no charge)
+//!                                          sticky_500_after_charge?  (charge + 500 stored)
+//!                                          pending_charges?          (charge stays `pending`)
+//!                                                                                     │
+//!   respond ◄── fail_after_charge? (500) ◄── drop_after_charge? (no response) ◄── commit
 //! ```
 //!
-//! - `conflict_in_flight` and `fail_before_charge` answer before anything is written, so a retry
-//!   with the same key runs the charge afresh.
+//! Whether a fault's answer is **stored** under the idempotency key decides what a retry with the
+//! same key sees, as with Stripe, which keeps the result of every request that began executing,
+//! a 500 included, and replays it for as long as it keeps the key:
+//!
+//! | fault | charge | stored under the key | a retry with the key gets |
+//! |---|---|---|---|
+//! | `conflict_in_flight` | no | nothing | a fresh run |
+//! | `fail_before_charge` | no | nothing (the request never began executing) | a fresh run |
+//! | `sticky_500_before_charge` | no | the 500 | the same 500, until the key is forgotten |
+//! | `sticky_500_after_charge` | yes | the 500, in place of the charge | the same 500; only a list finds the charge |
+//! | `fail_after_charge` | yes | the charge | the charge (the 500 was a lost answer) |
+//! | `drop_after_charge` | yes | the charge | the charge (the connection dropped the answer) |
+//! | `pending_charges` | yes, `pending` | the pending charge | the pending charge; `GET /v1/charges/{id}` tells when it settled |
+//!
 //! - `latency_ms` plus up to `jitter_ms` is spent while the request holds its idempotency key,
 //!   as a slow gateway would: a duplicate sent meanwhile gets 409, and a client that times out
 //!   leaves a charge that still commits (the work runs in its own task, whatever the client does).
 //! - `fail_after_charge` and `drop_after_charge` strike only a request that has just committed a
-//!   charge: the charge and its idempotent response exist, the client does not learn it. A retry
-//!   with the same key replays the stored charge. Replays and declines are never struck, so a
-//!   client that retries with its key always converges, even with a probability of 1.
+//!   charge and stored it. Replays and declines are never struck, so a client that retries with
+//!   its key converges even with a probability of 1. The sticky 500s, by design, never converge
+//!   under their key: the client must find out what happened by listing charges.
 //!
 //! The draws of one request happen together under the lock, in a fixed order, so a given `seed`
 //! and a given order of requests always yield the same faults.
@@ -56,6 +72,15 @@ pub struct Faults {
     pub drop_after_charge: f64,
     /// Answer 409 `idempotency_key_in_use` as if the key were in flight; nothing is written.
     pub conflict_in_flight: f64,
+    /// Store a 500 `api_error` under the key without charging: every retry with the key gets the
+    /// same 500 until the gateway forgets the key.
+    pub sticky_500_before_charge: f64,
+    /// Commit the charge but store (and answer) a 500 `api_error` in place of it: a retry with
+    /// the key gets the 500 again, and only listing the customer's charges finds the charge.
+    pub sticky_500_after_charge: f64,
+    /// Create the charge with status `pending` (not paid). It stays pending until it is settled
+    /// ([`crate::AppState::settle_pending_charges`], `POST /charges/settle` on the admin API).
+    pub pending_charges: f64,
     /// Seeds the generator for reproducible runs; `None` seeds it from the operating system.
     /// Setting faults reseeds, so the same faults and seed replay the same sequence.
     pub seed: Option<u64>,
@@ -90,6 +115,9 @@ impl Faults {
             ("fail_after_charge", self.fail_after_charge),
             ("drop_after_charge", self.drop_after_charge),
             ("conflict_in_flight", self.conflict_in_flight),
+            ("sticky_500_before_charge", self.sticky_500_before_charge),
+            ("sticky_500_after_charge", self.sticky_500_after_charge),
+            ("pending_charges", self.pending_charges),
         ] {
             // `contains` is false for NaN, which is refused with the rest.
             if !(0.0..=1.0).contains(&value) {
@@ -117,6 +145,16 @@ pub struct FaultCounters {
     pub drop_after_charge: u64,
     /// 409s answered as if the key were in flight.
     pub conflict_in_flight: u64,
+    /// 500s stored under their key without a charge.
+    pub sticky_500_before_charge: u64,
+    /// 500s stored under their key in place of a committed charge.
+    pub sticky_500_after_charge: u64,
+    /// Charges created `pending`.
+    pub pending_charges: u64,
+    /// Charges refused because their customer was deleted (a permanent refusal).
+    pub refused: u64,
+    /// Idempotency keys the gateway forgot (their window passed, or it was told to).
+    pub keys_forgotten: u64,
 }
 
 /// One kind of injected fault, for [`FaultState::record`].
@@ -127,6 +165,21 @@ pub(crate) enum FaultKind {
     FailAfterCharge,
     DropAfterCharge,
     ConflictInFlight,
+    Sticky500BeforeCharge,
+    Sticky500AfterCharge,
+    PendingCharge,
+    Refused,
+}
+
+/// What a charge request that runs keeps under its idempotency key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stored {
+    /// The charge (or decline) it made.
+    Outcome,
+    /// A 500 in place of the charge it made.
+    ServerErrorAfterCharge,
+    /// A 500, and no charge is made.
+    ServerErrorInstead,
 }
 
 /// What happens to a request that has just committed a charge.
@@ -146,6 +199,8 @@ pub(crate) struct Plan {
     pub(crate) conflict_in_flight: bool,
     pub(crate) fail_before_charge: bool,
     pub(crate) delay: Duration,
+    pub(crate) stored: Stored,
+    pub(crate) pending: bool,
     pub(crate) after_charge: AfterCharge,
 }
 
@@ -193,6 +248,16 @@ impl FaultState {
         let drop_after_charge = rng.random::<f64>() < f.drop_after_charge;
         let fail_after_charge = rng.random::<f64>() < f.fail_after_charge;
         let jitter = rng.random_range(0..=f.jitter_ms);
+        let sticky_before = rng.random::<f64>() < f.sticky_500_before_charge;
+        let sticky_after = rng.random::<f64>() < f.sticky_500_after_charge;
+        let pending = rng.random::<f64>() < f.pending_charges;
+        let stored = if sticky_before {
+            Stored::ServerErrorInstead
+        } else if sticky_after {
+            Stored::ServerErrorAfterCharge
+        } else {
+            Stored::Outcome
+        };
         let after_charge = if drop_after_charge {
             AfterCharge::Drop
         } else if fail_after_charge {
@@ -204,8 +269,15 @@ impl FaultState {
             conflict_in_flight,
             fail_before_charge,
             delay: Duration::from_millis(f.latency_ms + jitter),
+            stored,
+            pending,
             after_charge,
         }
+    }
+
+    /// Counts keys the gateway forgot.
+    pub(crate) fn record_forgotten(&mut self, keys: u64) {
+        self.counters.keys_forgotten += keys;
     }
 
     /// Counts one injected fault.
@@ -217,6 +289,10 @@ impl FaultState {
             FaultKind::FailAfterCharge => &mut c.fail_after_charge,
             FaultKind::DropAfterCharge => &mut c.drop_after_charge,
             FaultKind::ConflictInFlight => &mut c.conflict_in_flight,
+            FaultKind::Sticky500BeforeCharge => &mut c.sticky_500_before_charge,
+            FaultKind::Sticky500AfterCharge => &mut c.sticky_500_after_charge,
+            FaultKind::PendingCharge => &mut c.pending_charges,
+            FaultKind::Refused => &mut c.refused,
         };
         *counter += 1;
     }

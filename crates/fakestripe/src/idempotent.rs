@@ -4,8 +4,8 @@
 //! in a single atomic phase:
 //!
 //! ```text
-//!  validate ──► claim ──► Acquired ──► final phase: { business rows + stored response } ──► respond
-//!    │ 400        │
+//!  validate ──► claim ──► Acquired ──► final phase: { look-ups, business rows + stored response } ──► respond
+//!    │ 400        │                            └─ refused (unknown customer): rolled back, key abandoned, 400
 //!    │ (nothing   ├─ Replay   → the stored status and body, `Idempotent-Replayed: true`
 //!    │  stored)   ├─ Mismatch → 400 idempotency_error (same key, other parameters)
 //!    │            └─ InFlight → 409 idempotency_error / idempotency_key_in_use
@@ -17,9 +17,14 @@
 //! charge row also carries its key's id under a UNIQUE constraint, so the database refuses a
 //! second charge for one key even if a lease were ever shared.
 //!
-//! Differences from Stripe, both deliberate: an internal failure (500) is not stored, so a retry
-//! can succeed where Stripe would replay the 500; and keys are scoped per endpoint by the
-//! library, so reusing a key on another endpoint starts a new request instead of failing.
+//! As with Stripe, a key with a stored result replays it before the request's references are
+//! looked up again; a request refused by validation (an unknown or deleted customer, found after
+//! the claim) keeps nothing, and its key is abandoned so that it can be used again. The injected
+//! sticky 500s are stored like any result ([`crate::faults`]).
+//!
+//! Differences from Stripe, both deliberate: an internal failure of the fake itself (a database
+//! error) is not stored, so a retry can succeed; and keys are scoped per endpoint by the library,
+//! so reusing a key on another endpoint starts a new request instead of failing.
 //!
 //! The fingerprint is taken over the decoded form parameters as a JSON object, so the order of
 //! the pairs in the body does not matter, but their values do (`amount=0100` is not `amount=100`).
@@ -32,8 +37,9 @@ use sqlx::PgConnection;
 
 use crate::api_error::ApiError;
 use crate::app::AppState;
-use crate::customers::{Customer, Source};
+use crate::customers::Source;
 use crate::db::{self, NewCharge, NewCustomer};
+use crate::faults::{FaultKind, Stored};
 use crate::Error;
 
 /// The request header, as Stripe names it.
@@ -57,16 +63,15 @@ pub(crate) fn key_from_headers(headers: &HeaderMap) -> Result<Option<Idempotency
     }
 }
 
-/// What a `POST` does once it may run: validated, with every referenced object looked up.
+/// What a `POST` does once it may run: its parameters validated; the objects it refers to are
+/// looked up inside its transaction, after the claim, so that a key with a stored result replays
+/// it even if those objects changed since (a customer deleted after its charge).
 #[derive(Debug, Clone)]
 pub(crate) enum Operation {
     /// `POST /v1/customers`.
     CreateCustomer(NewCustomer),
-    /// `POST /v1/charges` against this customer.
-    CreateCharge {
-        customer: Customer,
-        charge: NewCharge,
-    },
+    /// `POST /v1/charges`; `pending` makes the charge `pending` instead of `succeeded`.
+    CreateCharge { charge: NewCharge, pending: bool },
 }
 
 /// The result of an operation that ran.
@@ -76,6 +81,31 @@ pub(crate) struct Outcome {
     pub(crate) response: StoredResponse,
     /// Whether this run committed a charge (a decline commits none).
     pub(crate) charged: bool,
+    /// Whether a 500 was kept in place of the operation's own result.
+    pub(crate) stored_server_error: bool,
+}
+
+/// Why an operation gave no outcome to keep.
+#[derive(Debug)]
+enum Failure {
+    /// The gateway refuses the request (an unknown customer, or a deleted one: `deleted`).
+    /// Nothing is kept under the key, as Stripe keeps nothing for a request that fails
+    /// validation.
+    Refused { error: ApiError, deleted: bool },
+    /// The database failed.
+    Internal(Error),
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Self::Internal(e)
+    }
+}
+
+impl From<idempotency::Error> for Failure {
+    fn from(e: idempotency::Error) -> Self {
+        Self::Internal(e.into())
+    }
 }
 
 /// What a request may do after its claim.
@@ -122,36 +152,46 @@ pub(crate) async fn begin(
     })
 }
 
-/// Runs the operation and, under a lease, stores its response in the same transaction.
+/// Runs the operation and, under a lease, keeps `stored` in the same transaction: its own
+/// response, or a 500 in its place (the injected sticky errors of [`crate::faults`]).
 pub(crate) async fn complete(
     state: &AppState,
     account_id: i64,
     lease: Option<Lease<Point>>,
     op: &Operation,
+    stored: Stored,
 ) -> Result<Outcome, ApiError> {
     let Some(mut lease) = lease else {
         let result = async {
             let context = || format!("run a request of account {account_id} without a key");
             let mut tx = state.pool().begin().await.map_err(Error::db(context()))?;
-            let outcome = execute(&mut tx, account_id, None, op).await?;
+            let outcome = execute(&mut tx, account_id, None, op, stored).await?;
             tx.commit().await.map_err(Error::db(context()))?;
-            Ok::<_, Error>(outcome)
+            Ok::<_, Failure>(outcome)
         };
-        return result.await.map_err(|e| ApiError::internal(&e));
+        return result.await.map_err(|failure| answer(state, failure));
     };
 
     let store = state.store();
     let result = async {
         let mut phase = store.final_phase(&mut lease).await?;
         let key_id = phase.key_id();
-        let outcome = execute(phase.conn(), account_id, Some(key_id), op).await?;
+        let outcome = execute(phase.conn(), account_id, Some(key_id), op, stored).await?;
         phase.finish(&outcome.response).await?;
-        Ok::<_, Error>(outcome)
+        Ok::<_, Failure>(outcome)
     }
     .await;
     match result {
         Ok(outcome) => Ok(outcome),
-        Err(error) => {
+        Err(refused @ Failure::Refused { .. }) => {
+            // The phase rolled back; the key goes too, so that nothing is kept for a refused
+            // request and the key may be used again, as with Stripe.
+            if let Err(e) = store.abandon(lease).await {
+                tracing::warn!(error = %e, "could not forget the key of a refused request");
+            }
+            Err(answer(state, refused))
+        }
+        Err(Failure::Internal(error)) => {
             // The phase rolled back. Free the key now rather than when the lease expires, so
             // that the client's retry runs at once instead of getting 409s until then.
             if let Err(release) = store.release(lease).await {
@@ -162,43 +202,79 @@ pub(crate) async fn complete(
     }
 }
 
+/// The answer to a failed operation; a refusal for a deleted customer is counted, as the
+/// permanent refusal it injects.
+fn answer(state: &AppState, failure: Failure) -> ApiError {
+    match failure {
+        Failure::Refused { error, deleted } => {
+            if deleted {
+                state.record_fault(FaultKind::Refused);
+            }
+            error
+        }
+        Failure::Internal(error) => ApiError::internal(&error),
+    }
+}
+
 /// The operation's writes, on the phase's connection.
 async fn execute(
     conn: &mut PgConnection,
     account_id: i64,
     key_id: Option<i64>,
     op: &Operation,
-) -> Result<Outcome, Error> {
+    stored: Stored,
+) -> Result<Outcome, Failure> {
+    let outcome = |response, charged| Outcome {
+        response,
+        charged,
+        stored_server_error: false,
+    };
     match op {
         Operation::CreateCustomer(new) => {
             let customer = db::insert_customer(conn, account_id, new).await?;
-            Ok(Outcome {
-                response: ok_json(&customer.to_json()),
-                charged: false,
-            })
+            Ok(outcome(ok_json(&customer.to_json()), false))
         }
-        Operation::CreateCharge { customer, charge } => match customer.source {
-            Some(Source::Visa) => {
-                let charge = db::insert_charge(conn, account_id, charge, key_id).await?;
-                tracing::info!(charge = %charge.id, amount = charge.amount, "charge succeeded");
-                Ok(Outcome {
-                    response: ok_json(&charge.to_json()),
-                    charged: true,
-                })
+        Operation::CreateCharge { charge, pending } => {
+            let customer = db::find_customer(&mut *conn, account_id, &charge.customer_id).await?;
+            let customer = match customer {
+                Some(customer) if !customer.deleted => customer,
+                found => {
+                    return Err(Failure::Refused {
+                        error: ApiError::no_such_param("customer", &charge.customer_id, "customer"),
+                        deleted: found.is_some(),
+                    })
+                }
+            };
+            let server_error = || Outcome {
+                response: ApiError::server_error().to_stored(),
+                charged: false,
+                stored_server_error: true,
+            };
+            if stored == Stored::ServerErrorInstead {
+                return Ok(server_error());
             }
-            // A decline is a final outcome: kept with the key and replayed, but no charge row.
-            Some(Source::ChargeCustomerFail) => Ok(Outcome {
-                response: ApiError::card_declined().to_stored(),
-                charged: false,
-            }),
-            None => Ok(Outcome {
-                response: ApiError::no_active_card().to_stored(),
-                charged: false,
-            }),
-        },
+            match customer.source {
+                Some(Source::Visa) => {
+                    let charge =
+                        db::insert_charge(conn, account_id, charge, *pending, key_id).await?;
+                    tracing::info!(charge = %charge.id, amount = charge.amount, status = %charge.status, "charge created");
+                    if stored == Stored::ServerErrorAfterCharge {
+                        return Ok(Outcome {
+                            charged: true,
+                            ..server_error()
+                        });
+                    }
+                    Ok(outcome(ok_json(&charge.to_json()), true))
+                }
+                // A decline is a final outcome: kept with the key and replayed, but no charge row.
+                Some(Source::ChargeCustomerFail) => {
+                    Ok(outcome(ApiError::card_declined().to_stored(), false))
+                }
+                None => Ok(outcome(ApiError::no_active_card().to_stored(), false)),
+            }
+        }
     }
 }
-
 fn ok_json(body: &Value) -> StoredResponse {
     StoredResponse::json(200, body, Vec::new())
 }

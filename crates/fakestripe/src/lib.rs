@@ -17,12 +17,14 @@
 //! | injected faults | `faults.rs` |
 //! | every SQL statement, the schema and migrations | `db.rs`, `migrations/` |
 //! | state, routers and the server | `app.rs`, `admin.rs` |
+//! | HTTPS with rustls | `tls.rs` |
 //!
 //! # Endpoints
 //!
-//! `POST /v1/customers`, `GET /v1/customers/{id}`, `POST /v1/charges`, `GET /v1/charges/{id}`,
-//! `GET /v1/charges` on the Stripe router; `GET|PUT /faults` and `GET /faults/counters` on the
-//! admin router, served on another listener. Every Stripe response carries `Request-Id`.
+//! `POST /v1/customers`, `GET|DELETE /v1/customers/{id}`, `POST /v1/charges`,
+//! `GET /v1/charges/{id}`, `GET /v1/charges` on the Stripe router; `GET|PUT /faults`,
+//! `GET /faults/counters`, `POST /keys/forget` and `POST /charges/settle` on the admin router,
+//! served on another listener. Every Stripe response carries `Request-Id`.
 //!
 //! # Idempotency
 //!
@@ -54,9 +56,13 @@ mod idempotent;
 mod ids;
 pub mod messages;
 mod params;
+mod tls;
 
 pub use admin::admin_router;
-pub use app::{router, serve, AppState, LEASE_TTL, REQUEST_ID};
+pub use app::{
+    forget_expired_keys, router, serve, AppState, DEFAULT_IDEMPOTENCY_KEY_TTL, LEASE_TTL,
+    REQUEST_ID,
+};
 pub use charges::{Charge, MAX_AMOUNT, MIN_USD_AMOUNT};
 pub use db::{
     all_charges, charge_by_id, charges_of_customer, connect, connect_with, count_charges, migrate,
@@ -64,3 +70,4 @@ pub use db::{
 };
 pub use error::Error;
 pub use faults::{FaultCounters, Faults, InvalidFaults, MAX_LATENCY_MS};
+pub use tls::{serve_tls, server_config, HANDSHAKE_TIMEOUT};

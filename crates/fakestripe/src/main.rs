@@ -2,12 +2,15 @@
 //!
 //! ```text
 //! fakestripe --listen 127.0.0.1:12111 --admin-listen 127.0.0.1:12112 \
-//!            --database-url postgres://… [--drop-after-charge 0.1 …]
+//!            --database-url postgres://… [--drop-after-charge 0.1 …] \
+//!            [--tls-cert cert.pem --tls-key key.pem] [--idempotency-key-ttl 24h]
 //! ```
 //!
 //! Every option can also come from the environment (`DATABASE_URL`, `FAKESTRIPE_…`).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
@@ -36,6 +39,20 @@ struct Cli {
     /// PostgreSQL database; fakestripe keeps its tables in the schema `fakestripe` of it.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
+
+    /// Serve the Stripe API over HTTPS with this PEM certificate chain (with --tls-key).
+    #[arg(long, env = "FAKESTRIPE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "FAKESTRIPE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+
+    /// How long an idempotency key is remembered after its request finished (Stripe: 24 hours).
+    /// A request sent later with the key runs afresh. Accepts 500ms, 30s, 5m, 24h.
+    #[arg(long, env = "FAKESTRIPE_IDEMPOTENCY_KEY_TTL", value_parser = parse_duration,
+          default_value = "24h")]
+    idempotency_key_ttl: Duration,
 
     #[command(flatten)]
     faults: FaultArgs,
@@ -68,6 +85,26 @@ struct FaultArgs {
     #[arg(long, env = "FAKESTRIPE_CONFLICT_IN_FLIGHT", default_value_t = 0.0)]
     conflict_in_flight: f64,
 
+    /// Probability of a 500 stored under the key, without a charge (replayed on every retry).
+    #[arg(
+        long,
+        env = "FAKESTRIPE_STICKY_500_BEFORE_CHARGE",
+        default_value_t = 0.0
+    )]
+    sticky_500_before_charge: f64,
+
+    /// Probability of a charge whose key stores a 500 in its place (replayed on every retry).
+    #[arg(
+        long,
+        env = "FAKESTRIPE_STICKY_500_AFTER_CHARGE",
+        default_value_t = 0.0
+    )]
+    sticky_500_after_charge: f64,
+
+    /// Probability of a charge created `pending`, until settled through the admin API.
+    #[arg(long, env = "FAKESTRIPE_PENDING_CHARGES", default_value_t = 0.0)]
+    pending_charges: f64,
+
     /// Seed of the fault generator, for reproducible runs.
     #[arg(long, env = "FAKESTRIPE_SEED")]
     seed: Option<u64>,
@@ -82,6 +119,9 @@ impl From<FaultArgs> for Faults {
             fail_after_charge: a.fail_after_charge,
             drop_after_charge: a.drop_after_charge,
             conflict_in_flight: a.conflict_in_flight,
+            sticky_500_before_charge: a.sticky_500_before_charge,
+            sticky_500_after_charge: a.sticky_500_after_charge,
+            pending_charges: a.pending_charges,
             seed: a.seed,
         }
     }
@@ -99,19 +139,37 @@ async fn main() -> anyhow::Result<()> {
     let faults = Faults::from(cli.faults);
     faults.validate().context("invalid fault options")?;
 
+    let tls = match (&cli.tls_cert, &cli.tls_key) {
+        (Some(cert), Some(key)) => {
+            Some(fakestripe::server_config(cert, key).context("load the TLS certificate")?)
+        }
+        _ => None,
+    };
+
     let pool = fakestripe::connect(&cli.database_url)
         .await
         .context("prepare the database")?;
     let state = AppState::new(pool, faults);
+    tokio::spawn(fakestripe::forget_expired_keys(
+        state.clone(),
+        cli.idempotency_key_ttl,
+    ));
     let api = TcpListener::bind(cli.listen)
         .await
         .with_context(|| format!("listen on {}", cli.listen))?;
     let admin = TcpListener::bind(cli.admin_listen)
         .await
         .with_context(|| format!("listen on {}", cli.admin_listen))?;
-    tracing::info!(api = %api.local_addr()?, admin = %admin.local_addr()?, "fakestripe listening");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    tracing::info!(api = %api.local_addr()?, scheme, admin = %admin.local_addr()?, "fakestripe listening");
 
-    let api = fakestripe::serve(api, fakestripe::router(state.clone()), shutdown_signal());
+    let router = fakestripe::router(state.clone());
+    let api = async {
+        match tls {
+            Some(config) => fakestripe::serve_tls(api, router, config, shutdown_signal()).await,
+            None => fakestripe::serve(api, router, shutdown_signal()).await,
+        }
+    };
     let admin = fakestripe::serve(admin, fakestripe::admin_router(state), shutdown_signal());
     let (api, admin) = tokio::join!(api, admin);
     api.context("serve the Stripe API")?;
@@ -147,4 +205,30 @@ async fn shutdown_signal() {
         () = terminate => {},
     }
     tracing::info!("shutting down");
+}
+
+/// Parses `250ms`, `10s`, `5m`, `2h` or a bare number of seconds.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration such as 500ms, 10s, 5m or 24h"))?;
+    let millis = match unit {
+        "ms" => 1,
+        "" | "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        _ => return Err(format!("{text:?} has an unknown unit: use ms, s, m or h")),
+    };
+    let duration = number
+        .checked_mul(millis)
+        .map(Duration::from_millis)
+        .ok_or_else(|| format!("{text:?} is too long"))?;
+    if duration.is_zero() {
+        return Err("the window must be longer than zero".into());
+    }
+    Ok(duration)
 }

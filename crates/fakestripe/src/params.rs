@@ -8,8 +8,10 @@ use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use http::request::Parts;
 use serde_json::{Map, Value};
+use time::OffsetDateTime;
 
 use crate::api_error::ApiError;
+use crate::db::CreatedRange;
 use crate::form::{self, FormError};
 use crate::messages;
 
@@ -135,6 +137,66 @@ pub(crate) fn optional_integer(params: &Params, name: &str) -> Result<Option<i64
     }
 }
 
+/// The `created` filter of a list, as Stripe takes it: `created=<unix seconds>` for one second,
+/// or any of `created[gt]`, `created[gte]`, `created[lt]`, `created[lte]`. Stripe's `created` is
+/// a whole second, so each bound becomes an instant that keeps or drops that whole second.
+pub(crate) fn created_range(params: &Params) -> Result<CreatedRange, ApiError> {
+    let seconds = |param: &str, text: &str| -> Result<OffsetDateTime, ApiError> {
+        text.parse::<i64>()
+            .ok()
+            .and_then(|s| OffsetDateTime::from_unix_timestamp(s).ok())
+            .ok_or_else(|| {
+                ApiError::invalid_code(
+                    param,
+                    "parameter_invalid_integer",
+                    messages::invalid_integer(text),
+                )
+            })
+    };
+    let next = |t: OffsetDateTime| t + time::Duration::SECOND;
+    match params.get("created") {
+        None => Ok(CreatedRange::default()),
+        Some(Value::String(text)) => {
+            let at = seconds("created", text)?;
+            Ok(CreatedRange {
+                from: Some(at),
+                until: Some(next(at)),
+            })
+        }
+        Some(Value::Object(bounds)) => {
+            let mut range = CreatedRange::default();
+            for (op, value) in bounds {
+                let param = format!("created[{op}]");
+                let Value::String(text) = value else {
+                    return Err(ApiError::invalid(
+                        param,
+                        "Invalid created: expected a unix timestamp",
+                    ));
+                };
+                let at = seconds(&param, text)?;
+                // Several bounds narrow the range; the tightest of each side wins.
+                let (from, until) = match op.as_str() {
+                    "gt" => (Some(next(at)), None),
+                    "gte" => (Some(at), None),
+                    "lt" => (None, Some(at)),
+                    "lte" => (None, Some(next(at))),
+                    _ => return Err(ApiError::unknown_param(&param)),
+                };
+                range.from = range.from.max(from);
+                range.until = match (range.until, until) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            Ok(range)
+        }
+        Some(_) => Err(ApiError::invalid(
+            "created",
+            "Invalid created: expected a unix timestamp or a hash of gt, gte, lt, lte",
+        )),
+    }
+}
+
 /// The `metadata` object: string values under short keys. Empty values are dropped (in Stripe
 /// they unset the key), and an empty `metadata=` means no metadata.
 pub(crate) fn metadata(params: &Params) -> Result<Value, ApiError> {
@@ -218,6 +280,42 @@ mod tests {
         let long = params(json!({"metadata": {"k".repeat(41): "v"}}));
         assert!(metadata(&long).is_err());
         assert!(metadata(&params(json!({"metadata": "x"}))).is_err());
+    }
+
+    #[test]
+    fn created_bounds_keep_or_drop_whole_seconds() {
+        let at = |s: i64| Some(OffsetDateTime::from_unix_timestamp(s).unwrap());
+        let range = |v: Value| created_range(&params(v));
+        assert_eq!(
+            range(json!({"created": {"gte": "100", "lte": "200"}})).unwrap(),
+            CreatedRange {
+                from: at(100),
+                until: at(201)
+            }
+        );
+        assert_eq!(
+            range(json!({"created": {"gt": "100", "lt": "200"}})).unwrap(),
+            CreatedRange {
+                from: at(101),
+                until: at(200)
+            }
+        );
+        assert_eq!(
+            range(json!({"created": "100"})).unwrap(),
+            CreatedRange {
+                from: at(100),
+                until: at(101)
+            }
+        );
+        assert_eq!(range(json!({})).unwrap(), CreatedRange::default());
+        let bad = range(json!({"created": {"after": "1"}}))
+            .unwrap_err()
+            .body();
+        assert_eq!(bad["error"]["param"], "created[after]");
+        let bad = range(json!({"created": {"gte": "soon"}}))
+            .unwrap_err()
+            .body();
+        assert_eq!(bad["error"]["code"], "parameter_invalid_integer");
     }
 
     #[test]

@@ -462,6 +462,35 @@ impl Store {
         Ok(())
     }
 
+    /// Deletes the key of a request that turned out to be one the application refuses without
+    /// an outcome to keep (a 400 found only after the claim, say), so that the key is as if it
+    /// had never been sent: a later request may use it again, with any payload. Fenced like a
+    /// release; a finished key is never deleted.
+    ///
+    /// Delete only a key that has written nothing: rows referencing it keep it alive (their
+    /// foreign keys refuse the delete) and the store's error says so.
+    pub async fn abandon<P: RecoveryPoint>(&self, lease: Lease<P>) -> Result<(), Error> {
+        let deleted = sqlx::query(
+            r#"
+            DELETE FROM idempotency_keys
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            "#,
+        )
+        .bind(lease.key_id)
+        .bind(lease.user_id)
+        .bind(lease.token)
+        .execute(&self.pool)
+        .await
+        .map_err(Error::db(format!("abandon key {}", lease.key_id)))?;
+        if deleted.rows_affected() == 0 {
+            return Err(Error::LeaseLost {
+                key_id: lease.key_id,
+                token: lease.token,
+            });
+        }
+        Ok(())
+    }
+
     /// Acquires up to `limit` keys of one route (`method`, `route`) that their requests
     /// abandoned: unfinished, lease free or expired, last attempted more than `grace` ago (or
     /// already worked by a completer), and past their backoff. This is how a completer claims; each returned lease has a fresh

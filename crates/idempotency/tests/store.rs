@@ -134,6 +134,24 @@ async fn a_released_lease_is_claimable_at_once_and_keeps_its_recovery_point(pool
 }
 
 #[sqlx::test(migrations = false)]
+async fn an_abandoned_key_is_gone_and_only_its_holder_can_abandon_it(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let stale = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    clock.advance(TTL);
+    let holder = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    assert!(matches!(
+        store.abandon(stale).await,
+        Err(idempotency::Error::LeaseLost { .. })
+    ));
+    store.abandon(holder).await.unwrap();
+    // The key is as if it had never been sent: another payload may use it now.
+    let other = json!({"a": 2});
+    let fresh = acquired(store.claim(request(1, &k, &other)).await.unwrap());
+    assert_eq!(fresh.token(), 1);
+}
+
+#[sqlx::test(migrations = false)]
 async fn another_payload_under_the_same_key_is_a_mismatch(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let k = key("k1");

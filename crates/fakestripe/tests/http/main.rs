@@ -6,4 +6,6 @@ mod customers;
 mod faults;
 mod idempotency;
 mod pagination;
+mod stripe_behaviour;
 mod support;
+mod tls;

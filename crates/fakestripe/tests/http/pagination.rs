@@ -97,7 +97,8 @@ async fn bad_list_parameters_are_refused(_: PgPoolOptions, options: PgConnectOpt
         ("starting_after=ch_missing", Some("starting_after")),
         ("ending_before=ch_missing", Some("ending_before")),
         ("starting_after=ch_a&ending_before=ch_b", None),
-        ("created[gte]=0", Some("created")),
+        ("created[after]=0", Some("created[after]")),
+        ("created=soon", Some("created")),
     ] {
         let reply = gw.get(&format!("/v1/charges?{query}")).await;
         let error = reply.stripe_error(400, "invalid_request_error");

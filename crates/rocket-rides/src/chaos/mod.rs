@@ -180,6 +180,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         drop_after_charge: 0.03,
         conflict_in_flight: 0.02,
         seed: Some(rng.random()),
+        ..fakestripe::Faults::none()
     };
     let gateway = fakestripe::AppState::new(
         gateway_pool,
