@@ -24,7 +24,7 @@
 //!   have written exists. The business rows written in the phase commit with the new recovery
 //!   point, or not at all.
 //! - Calls to foreign systems (a payment gateway) happen *between* phases, never inside one, with
-//!   a foreign idempotency key derived from [`Lease::key_id`], so a resumed request gets the same
+//!   a foreign idempotency key derived from [`Lease::request_uuid`], so a resumed request gets the same
 //!   foreign result instead of a second one.
 //! - [`Store::final_phase`] stores the response and releases the lease in the same transaction;
 //!   later claims of the key get [`Claim::Replay`].
@@ -49,9 +49,10 @@ pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use response::StoredResponse;
 pub use store::{
-    Claim, FinalPhase, KeyRecord, Lease, NewRequest, OneStep, Phase, RecoveryPoint, Store,
-    DEFAULT_LEASE_TTL,
+    Claim, FinalPhase, KeyFilter, KeyRecord, Lease, NewRequest, OneStep, Phase, RecoveryPoint,
+    Store, DEFAULT_LEASE_TTL,
 };
+pub use uuid::Uuid;
 
 /// Creates or updates the crate's table in the database behind `pool`.
 ///

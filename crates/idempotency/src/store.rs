@@ -29,6 +29,7 @@ use sqlx::postgres::{PgPool, PgRow};
 use sqlx::types::Json;
 use sqlx::{PgConnection, Postgres, Row, Transaction};
 use time::OffsetDateTime;
+use uuid::Uuid;
 
 use crate::{Clock, Error, Fingerprint, IdempotencyKey, StoredResponse};
 
@@ -128,6 +129,7 @@ pub enum Claim<P> {
 #[must_use = "a dropped lease blocks its key until the lease expires: finish or release it"]
 pub struct Lease<P> {
     key_id: i64,
+    request_uuid: Uuid,
     user_id: i64,
     token: i64,
     attempts: i32,
@@ -138,9 +140,19 @@ pub struct Lease<P> {
 }
 
 impl<P: RecoveryPoint> Lease<P> {
-    /// The key row's id, stable for the key's life: derive foreign idempotency keys from it.
+    /// The key row's id, stable for the key's life. It comes from a sequence of this database:
+    /// use it for the application's own rows (a foreign key to the key row), and
+    /// [`Lease::request_uuid`] for anything another system sees.
     pub fn key_id(&self) -> i64 {
         self.key_id
+    }
+
+    /// A random identifier made when the key row was inserted, stable for the key's life and
+    /// unique across databases: derive foreign idempotency keys from it, and name the request
+    /// with it in foreign systems, so that two databases on one gateway account never share a
+    /// foreign key.
+    pub fn request_uuid(&self) -> Uuid {
+        self.request_uuid
     }
 
     /// The owner of the key.
@@ -220,7 +232,9 @@ impl Store {
         self.lease_ttl
     }
 
-    fn now(&self) -> Option<OffsetDateTime> {
+    /// The injected time, for the application's own statements that compare against "now"
+    /// (`coalesce($n::timestamptz, now())`): `None` in production, where the database decides.
+    pub fn now(&self) -> Option<OffsetDateTime> {
         self.clock.now()
     }
 
@@ -251,7 +265,7 @@ impl Store {
                 WHERE k.finished_at IS NULL
                   AND k.fingerprint = excluded.fingerprint
                   AND (k.locked_until IS NULL OR k.locked_until <= excluded.last_run_at)
-                RETURNING k.id, k.lease_token, k.attempts, k.completer_attempts,
+                RETURNING k.id, k.request_uuid, k.lease_token, k.attempts, k.completer_attempts,
                           k.recovery_point, k.request_params, k.locked_until
                 "#,
             )
@@ -532,8 +546,8 @@ impl Store {
                 last_run_at        = coalesce($1::timestamptz, now())
             FROM abandoned
             WHERE k.id = abandoned.id
-            RETURNING k.id, k.user_id, k.lease_token, k.attempts, k.completer_attempts,
-                      k.recovery_point, k.request_params, k.locked_until
+            RETURNING k.id, k.request_uuid, k.user_id, k.lease_token, k.attempts,
+                      k.completer_attempts, k.recovery_point, k.request_params, k.locked_until
             "#,
         )
         .bind(self.now())
@@ -627,18 +641,20 @@ impl Store {
         row.map(|row| KeyRecord::from_row(&row)).transpose()
     }
 
-    /// Lists keys, newest first: all of them, or only the unfinished ones.
-    pub async fn list(&self, unfinished_only: bool, limit: i64) -> Result<Vec<KeyRecord>, Error> {
-        // Two statements rather than `finished_at IS NULL OR NOT $1`, which no index serves.
-        let filter = if unfinished_only {
-            "WHERE finished_at IS NULL"
-        } else {
-            ""
+    /// Lists keys, newest first: all of them, the unfinished ones, or those finished with one
+    /// status (a 502 the gateway's refusal left, say).
+    pub async fn list(&self, filter: KeyFilter, limit: i64) -> Result<Vec<KeyRecord>, Error> {
+        // One statement per filter rather than `… OR NOT $1` clauses, which no index serves.
+        let (clause, status) = match filter {
+            KeyFilter::All => ("", None),
+            KeyFilter::Unfinished => ("WHERE finished_at IS NULL", None),
+            KeyFilter::FinishedWith(status) => ("WHERE response_status = $2", Some(status)),
         };
         let rows = sqlx::query(&format!(
-            "SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys {filter} ORDER BY id DESC LIMIT $1"
+            "SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys {clause} ORDER BY id DESC LIMIT $1"
         ))
         .bind(limit.clamp(1, 10_000))
+        .bind(status.map(|s| s as i16))
         .fetch_all(&self.pool)
         .await
         .map_err(Error::db("list keys"))?;
@@ -742,11 +758,24 @@ impl<P: RecoveryPoint> FinalPhase<'_, P> {
     }
 }
 
+/// Which keys [`Store::list`] shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyFilter {
+    /// Every key.
+    All,
+    /// Keys that have not finished: in flight, or waiting for a retry or the completer.
+    Unfinished,
+    /// Keys finished with this stored status.
+    FinishedWith(u16),
+}
+
 /// A key row as inspection tools show it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct KeyRecord {
     /// Row id.
     pub id: i64,
+    /// The request's random identifier, from which foreign keys are derived.
+    pub request_uuid: Uuid,
     /// Owner.
     pub user_id: i64,
     /// HTTP method.
@@ -781,7 +810,8 @@ pub struct KeyRecord {
     pub finished_at: Option<OffsetDateTime>,
 }
 
-const KEY_RECORD_COLUMNS: &str = "id, user_id, request_method, request_path, idempotency_key, \
+const KEY_RECORD_COLUMNS: &str =
+    "id, request_uuid, user_id, request_method, request_path, idempotency_key, \
     recovery_point, locked_until, lease_token, attempts, completer_attempts, next_attempt_at, \
     response_status, \
     request_params, created_at, finished_at";
@@ -795,6 +825,7 @@ impl KeyRecord {
         };
         Ok(Self {
             id,
+            request_uuid: row.try_get("request_uuid").map_err(get)?,
             user_id: row.try_get("user_id").map_err(get)?,
             request_method: row.try_get("request_method").map_err(get)?,
             request_path: row.try_get("request_path").map_err(get)?,
@@ -823,6 +854,7 @@ fn lease_from_row<P: RecoveryPoint>(row: &PgRow, user_id: i64) -> Result<Lease<P
         P::from_name(&point).ok_or(Error::UnknownRecoveryPoint { key_id, point })?;
     Ok(Lease {
         key_id,
+        request_uuid: row.get("request_uuid"),
         user_id,
         token: row.get("lease_token"),
         attempts: row.get("attempts"),

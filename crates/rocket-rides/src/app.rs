@@ -30,8 +30,8 @@ pub enum StartError {
     #[error(transparent)]
     Store(#[from] idempotency::Error),
     /// The gateway client could not be built.
-    #[error("build the gateway client: {0}")]
-    Gateway(#[from] reqwest::Error),
+    #[error(transparent)]
+    Gateway(#[from] crate::stripe::ClientError),
 }
 
 /// Everything a handler needs. Cheap to clone.
@@ -45,6 +45,8 @@ pub struct AppState {
     pub stripe: StripeClient,
     /// How often a request renews its lease while it waits on the gateway.
     pub heartbeat: Duration,
+    /// How long after its first use a gateway key is trusted to be remembered.
+    pub gateway_key_window: Duration,
     /// Fires when in-flight work must give up its lease (the shutdown deadline passed).
     pub giving_up: Signal,
     /// Counters for `GET /metrics`.
@@ -64,17 +66,13 @@ impl AppState {
     ) -> Result<Self, StartError> {
         crate::config::validate(gateway, lease).map_err(StartError::Settings)?;
         let store = Store::new(pool.clone(), clock, lease.lease_ttl)?;
-        let stripe = StripeClient::new(
-            &gateway.stripe_api_base,
-            &gateway.stripe_api_key,
-            gateway.gateway_connect_timeout,
-            gateway.gateway_timeout,
-        )?;
+        let stripe = StripeClient::from_args(gateway)?;
         Ok(Self {
             pool,
             store,
             stripe,
             heartbeat: lease.lease_heartbeat,
+            gateway_key_window: gateway.gateway_key_window,
             giving_up: Signal::never(),
             metrics: Metrics::default(),
             #[cfg(feature = "failpoints")]

@@ -2,29 +2,55 @@
 //!
 //! ```text
 //!  started ──phase 1──► ride_created ──gateway──phase 2──► charge_created ──final phase──► finished
-//!   (claim)   ride row +             charge under key      charge id on      receipt job +
-//!             audit record           rocket-rides:{key}    the ride          stored 201
-//!                                           │
-//!                                           ├─ declined ──final phase──► finished (stored 402)
-//!                                           └─ no answer / 5xx ──► lease released, 503; resume here
+//!   (claim)   ride row +      │        charge under key      charge id on      receipt job +
+//!             audit record    │        derived from the      the ride          stored 201
+//!                             │        request's UUID
+//!                             ├─ declined ─────────────final phase──► finished (stored 402)
+//!                             ├─ refused for good ─────final phase──► finished (stored 502)
+//!                             ├─ pending ──phase──► charge_pending ──retrieve──► (as above)
+//!                             └─ no answer / 5xx / 401 ──► lease released, 503; resume here
 //! ```
 //!
 //! Each step reads the key's recovery point and does one phase. A request that dies anywhere
 //! leaves the key at its last committed point, and whoever claims the key next — the client's
 //! retry or the completer — resumes from there with the stored parameters. The gateway is called
-//! between phases, never inside one, under a key derived from the key row, so a resumed charge
-//! finds the one already made.
+//! between phases, never inside one.
+//!
+//! # The gateway key, and when it can no longer be trusted
+//!
+//! The charge is asked for under `rocket-rides:{request uuid}:charge:{generation}`: derived from
+//! the key row's random UUID (never its sequence number, which another database repeats), so
+//! every resumption asks for the same charge and the gateway answers with the one it made. That
+//! holds only while the gateway keeps the key with its true result. Stripe forgets keys after
+//! 24 hours, and keeps a 500 under a key for as long as it keeps the key. So the charge step
+//! first **reconciles** when either
+//!
+//! - the current generation's key was first used longer ago than `--gateway-key-window` (23 h):
+//!   the gateway may have forgotten it, and asking again could charge twice; or
+//! - the gateway just *replayed* a 5xx under the key: it stored a failure there for good (a replay
+//!   also proves that no request under the key is still running at the gateway).
+//!
+//! Reconciling lists the customer's charges since the first attempt and adopts the one whose
+//! metadata names this request. Only when there is none does it start the next generation of the
+//! key — recorded on the ride in a phase of its own before the call, so that a crash anywhere
+//! resumes under that generation — and charge again. The normal path makes no list call.
 
 use idempotency::{Lease, RecoveryPoint, StoredResponse};
 use idempotency_axum::Problem;
 use serde_json::json;
 use sqlx::PgConnection;
+use time::OffsetDateTime;
 
 use crate::app::AppState;
-use crate::metrics::ChargeOutcome;
+use crate::metrics::{ChargeOutcome, Reconciliation};
 use crate::problem::types;
 use crate::rides::{RideRequest, RideView};
-use crate::stripe::ChargeError;
+use crate::stripe::{Charge, ChargeError, NewCharge, REQUEST_METADATA};
+
+/// How far before the recorded first attempt a reconciling list starts: the gateway stamps
+/// `created` with its own clock, which may be behind ours. Charges of other requests that the
+/// wider range brings in are told apart by their metadata.
+pub const RECONCILE_CLOCK_SKEW: time::Duration = time::Duration::minutes(10);
 
 /// The recovery points of a ride booking.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +59,9 @@ pub enum RidePoint {
     Started,
     /// The ride row exists, unpaid.
     RideCreated,
-    /// The charge is recorded on the ride.
+    /// The gateway created the charge `pending`: recorded on the ride, not paid yet.
+    ChargePending,
+    /// The charge is recorded on the ride, paid.
     ChargeCreated,
     /// The response is stored.
     Finished,
@@ -47,6 +75,7 @@ impl RecoveryPoint for RidePoint {
         match self {
             Self::Started => "started",
             Self::RideCreated => "ride_created",
+            Self::ChargePending => "charge_pending",
             Self::ChargeCreated => "charge_created",
             Self::Finished => "finished",
         }
@@ -56,6 +85,7 @@ impl RecoveryPoint for RidePoint {
         [
             Self::Started,
             Self::RideCreated,
+            Self::ChargePending,
             Self::ChargeCreated,
             Self::Finished,
         ]
@@ -73,7 +103,13 @@ pub enum BookingError {
     /// The gateway did not answer or is unavailable. The charge may exist; resume later.
     #[error("payment gateway unavailable: {0}")]
     GatewayUnavailable(String),
-    /// Anything else: a database failure, a gateway that refused our request, a broken invariant.
+    /// The gateway refused our credentials or its certificate is not trusted: ours to fix.
+    #[error("payment gateway misconfigured: {0}")]
+    GatewayMisconfigured(String),
+    /// The charge exists but is still `pending` at the gateway; resume later.
+    #[error("charge {0} is pending at the gateway")]
+    PaymentPending(String),
+    /// Anything else: a database failure, a broken invariant.
     #[error("{0}")]
     Internal(String),
     /// The process is shutting down and gave the request up before it finished.
@@ -113,10 +149,11 @@ enum Step {
     Respond(StoredResponse),
 }
 
-/// The idempotency key under which the gateway is asked to charge for this key row. Derived from
-/// the row, never from the attempt: every resumption asks for the same charge.
-pub fn gateway_key(key_id: i64) -> String {
-    format!("rocket-rides:{key_id}:charge")
+/// The idempotency key under which the gateway is asked to charge for a request: derived from
+/// the request's random UUID and the charge's generation, never from the attempt, so that every
+/// resumption of one generation asks for the same charge.
+pub fn gateway_key(request: idempotency::Uuid, generation: i32) -> String {
+    format!("rocket-rides:{request}:charge:{generation}")
 }
 
 /// Runs the booking from the lease's recovery point to a stored response.
@@ -131,6 +168,7 @@ pub async fn run(
         let step = match lease.recovery_point() {
             RidePoint::Started => create_ride(state, lease, &request).await?,
             RidePoint::RideCreated => charge(state, lease).await?,
+            RidePoint::ChargePending => resolve_pending(state, lease).await?,
             RidePoint::ChargeCreated => finish(state, lease).await?,
             RidePoint::Finished => {
                 return Err(BookingError::Internal(format!(
@@ -149,20 +187,24 @@ pub async fn run(
     }
 }
 
-/// Phase 1: the ride and its audit record.
+/// Phase 1: the ride and its audit record. The gateway is asked right after it commits, so the
+/// phase's time stands for the first attempt (a crash in between only makes it earlier, which
+/// is the safe side for both its uses).
 async fn create_ride(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
     request: &RideRequest,
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
+    let now = state.store.now();
     let mut phase = state.store.phase(lease, RidePoint::RideCreated).await?;
     let key_id = phase.key_id();
     let ride_id: i64 = sqlx::query_scalar(
         r#"
         INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
-                           target_lon, amount_cents)
-        VALUES ($1, $2, $3, $4, $5, $6, $7)
+                           target_lon, amount_cents, charge_first_attempt_at, charge_generation_at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()),
+                coalesce($8::timestamptz, now()))
         RETURNING id
         "#,
     )
@@ -173,6 +215,7 @@ async fn create_ride(
     .bind(request.target_lat)
     .bind(request.target_lon)
     .bind(request.amount_cents)
+    .bind(now)
     .fetch_one(phase.conn())
     .await
     .map_err(db("insert ride"))?;
@@ -189,63 +232,265 @@ async fn create_ride(
     Ok(Step::Advanced)
 }
 
-/// Between phases: the gateway call. Then phase 2 (charge recorded) or the final phase of a
-/// decline.
-async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, BookingError> {
-    let ride = RideView::by_key(&state.pool, lease.user_id(), lease.key_id())
+/// What the charge step knows about its ride.
+#[derive(Debug, sqlx::FromRow)]
+struct ChargeTarget {
+    ride_id: i64,
+    amount_cents: i32,
+    charge_id: Option<String>,
+    customer: String,
+    generation: i32,
+    first_attempt_at: OffsetDateTime,
+    /// The current generation's key was first used longer ago than the key window.
+    past_window: bool,
+}
+
+impl ChargeTarget {
+    async fn load(state: &AppState, lease: &Lease<RidePoint>) -> Result<Self, BookingError> {
+        let window = state.gateway_key_window.as_millis().min(i64::MAX as u128) as i64;
+        sqlx::query_as(
+            r#"
+            SELECT r.id AS ride_id, r.amount_cents, r.charge_id,
+                   u.stripe_customer_id AS customer,
+                   r.charge_generation AS generation,
+                   r.charge_first_attempt_at AS first_attempt_at,
+                   r.charge_generation_at
+                       <= coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+                       AS past_window
+            FROM rides r JOIN users u ON u.id = r.user_id
+            WHERE r.user_id = $1 AND r.idempotency_key_id = $2
+            "#,
+        )
+        .bind(lease.user_id())
+        .bind(lease.key_id())
+        .bind(state.store.now())
+        .bind(window)
+        .fetch_optional(&state.pool)
         .await
         .map_err(db("load ride"))?
-        .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", lease.key_id())))?;
-    let customer: String = sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
-        .bind(lease.user_id())
-        .fetch_one(&state.pool)
-        .await
-        .map_err(db("load customer"))?;
+        .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", lease.key_id())))
+    }
+}
 
-    let gateway_key = if crate::failpoints::fresh_gateway_key(state) {
-        // The chaos harness's negative control: the bug this whole design exists to prevent.
-        format!("{}:attempt-{}", gateway_key(lease.key_id()), lease.token())
-    } else {
-        gateway_key(lease.key_id())
-    };
-    let description = format!("Rocket Rides ride {}", ride.ride_id);
-    let call = state.stripe.create_charge(
-        &gateway_key,
-        i64::from(ride.amount_cents),
-        &customer,
-        &description,
-        ride.ride_id,
-    );
-    let result = with_heartbeat(state, lease, call).await?;
-    state.metrics.charge(match &result {
-        Ok(_) => ChargeOutcome::Charged,
-        Err(ChargeError::Declined { .. }) => ChargeOutcome::Declined,
-        Err(ChargeError::Transient(_)) => ChargeOutcome::Unavailable,
-        Err(ChargeError::Rejected { .. }) => ChargeOutcome::Rejected,
-    });
-    let charge = match result {
-        Ok(charge) => charge,
-        Err(ChargeError::Declined { code, message }) => {
-            return declined(state, lease, ride.ride_id, &code, &message).await
+/// How the charge being settled was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Found {
+    /// The gateway answered the create call.
+    Created,
+    /// A reconciling list found it by its metadata.
+    Adopted,
+    /// Retrieved again, after it was recorded pending.
+    Retrieved,
+}
+
+/// Between phases: the gateway call (after a reconciliation when the key cannot be trusted).
+/// Then the phase that records the charge, or the final phase of a decline or a refusal.
+async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, BookingError> {
+    let mut target = ChargeTarget::load(state, lease).await?;
+    let mut reconcile = target.past_window;
+    loop {
+        if reconcile {
+            if let Some(charge) = find_own_charge(state, lease, &target).await? {
+                state.metrics.reconciliation(Reconciliation::Adopted);
+                return settle(state, lease, &target, charge, Found::Adopted).await;
+            }
+            state.metrics.reconciliation(Reconciliation::NoneFound);
+            target.generation = next_generation(state, lease, &target).await?;
+            crash_point(state, crate::failpoints::AFTER_NEW_GENERATION)?;
         }
-        Err(ChargeError::Transient(why)) => return Err(BookingError::GatewayUnavailable(why)),
-        Err(e @ ChargeError::Rejected { .. }) => return Err(BookingError::Internal(e.to_string())),
-    };
-    if charge.amount != i64::from(ride.amount_cents) {
+        let key = if crate::failpoints::fresh_gateway_key(state) {
+            // The chaos harness's negative control: the bug this whole design exists to prevent.
+            format!(
+                "{}:attempt-{}",
+                gateway_key(lease.request_uuid(), target.generation),
+                lease.token()
+            )
+        } else {
+            gateway_key(lease.request_uuid(), target.generation)
+        };
+        let (ride_id, request) = (target.ride_id.to_string(), lease.request_uuid().to_string());
+        let description = format!("Rocket Rides ride {}", target.ride_id);
+        let metadata = [("ride_id", ride_id), (REQUEST_METADATA, request)];
+        let new_charge = NewCharge {
+            amount_cents: i64::from(target.amount_cents),
+            customer: &target.customer,
+            description: &description,
+            metadata: &metadata,
+        };
+        let result =
+            with_heartbeat(state, lease, state.stripe.create_charge(&key, &new_charge)).await?;
+        state.metrics.charge(ChargeOutcome::of(&result));
+        match result {
+            // The key holds a failure for good: find out what happened, once.
+            Err(ChargeError::StoredServerError { status, message }) if !reconcile => {
+                tracing::warn!(
+                    key_id = lease.key_id(),
+                    status,
+                    message,
+                    "the gateway replays a stored error under this key; reconciling"
+                );
+                reconcile = true;
+            }
+            Ok(charge) => return settle(state, lease, &target, charge, Found::Created).await,
+            Err(e) => return refusal_or_error(state, lease, target.ride_id, e).await,
+        }
+    }
+}
+
+/// Lists the customer's charges since the first attempt and returns the one made for this
+/// request, if any. More than one means an invariant broke somewhere: the oldest paid one is
+/// taken and the rest are reported, for an operator to refund.
+async fn find_own_charge(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    target: &ChargeTarget,
+) -> Result<Option<Charge>, BookingError> {
+    let since = (target.first_attempt_at - RECONCILE_CLOCK_SKEW).unix_timestamp();
+    let listed = with_heartbeat(
+        state,
+        lease,
+        state.stripe.list_charges(&target.customer, since),
+    )
+    .await?
+    .map_err(|e| match e {
+        ChargeError::Misconfigured(why) => BookingError::GatewayMisconfigured(why),
+        // No list, no knowledge: never charge blind. A list refused for good (an unknown
+        // customer) leaves the key for an operator.
+        other => BookingError::GatewayUnavailable(format!("reconcile: {other}")),
+    })?;
+    let request = lease.request_uuid().to_string();
+    let mut own: Vec<Charge> = listed
+        .into_iter()
+        .filter(|c| c.request() == Some(request.as_str()))
+        .collect();
+    // Paid before pending before failed; the oldest of each.
+    own.sort_by_key(|c| (status_rank(&c.status), c.created));
+    if own.len() > 1 {
+        let ids: Vec<&str> = own.iter().map(|c| c.id.as_str()).collect();
+        tracing::error!(
+            key_id = lease.key_id(),
+            charges = ?ids,
+            "more than one gateway charge names this request; adopting the first, refund the rest"
+        );
+    }
+    Ok(own.into_iter().next())
+}
+
+fn status_rank(status: &str) -> u8 {
+    match status {
+        "succeeded" => 0,
+        "pending" => 1,
+        _ => 2,
+    }
+}
+
+/// Starts the next generation of the gateway key, in a phase of its own before the call.
+async fn next_generation(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    target: &ChargeTarget,
+) -> Result<i32, BookingError> {
+    let user_id = lease.user_id();
+    let now = state.store.now();
+    let point = lease.recovery_point();
+    let mut phase = state.store.phase(lease, point).await?;
+    let generation: i32 = sqlx::query_scalar(
+        "UPDATE rides SET charge_generation = charge_generation + 1,
+                          charge_generation_at = coalesce($3::timestamptz, now()),
+                          updated_at = now()
+         WHERE id = $1 AND user_id = $2
+         RETURNING charge_generation",
+    )
+    .bind(target.ride_id)
+    .bind(user_id)
+    .bind(now)
+    .fetch_one(phase.conn())
+    .await
+    .map_err(db("start a new charge generation"))?;
+    audit(
+        phase.conn(),
+        user_id,
+        "ride.charge_generation_started",
+        target.ride_id,
+        json!({ "generation": generation, "after": target.generation }),
+    )
+    .await?;
+    phase.commit().await?;
+    tracing::warn!(
+        ride_id = target.ride_id,
+        generation,
+        "no charge found for the request; charging under a new key generation"
+    );
+    Ok(generation)
+}
+
+/// A charge the gateway showed for this ride: paid, pending or failed by its status.
+async fn settle(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    target: &ChargeTarget,
+    charge: Charge,
+    found: Found,
+) -> Result<Step, BookingError> {
+    // Never record a charge that is not this ride's: a wrong amount or customer means a bug or
+    // tampering, and an operator must look before anything is stored.
+    if charge.amount != i64::from(target.amount_cents)
+        || charge
+            .customer
+            .as_deref()
+            .is_some_and(|c| c != target.customer)
+    {
         return Err(BookingError::Internal(format!(
-            "gateway charge {} is for {} cents, ride {} for {}",
-            charge.id, charge.amount, ride.ride_id, ride.amount_cents
+            "gateway charge {} ({} cents, customer {:?}) does not match ride {} ({} cents, {})",
+            charge.id,
+            charge.amount,
+            charge.customer,
+            target.ride_id,
+            target.amount_cents,
+            target.customer
         )));
     }
-    crash_point(state, crate::failpoints::AFTER_GATEWAY_CHARGE)?;
+    match charge.status.as_str() {
+        "succeeded" => {
+            crash_point(state, crate::failpoints::AFTER_GATEWAY_CHARGE)?;
+            record_charge(state, lease, target.ride_id, &charge, found).await
+        }
+        "pending" => {
+            if lease.recovery_point() == RidePoint::RideCreated {
+                record_pending(state, lease, target.ride_id, &charge).await?;
+            }
+            Err(BookingError::PaymentPending(charge.id))
+        }
+        "failed" => {
+            let code = charge.failure_code.as_deref().unwrap_or("card_declined");
+            let message = charge
+                .failure_message
+                .as_deref()
+                .unwrap_or("the card was declined");
+            declined(state, lease, target.ride_id, code, message).await
+        }
+        other => Err(BookingError::GatewayUnavailable(format!(
+            "charge {} is in a status this build does not know: {other:?}",
+            charge.id
+        ))),
+    }
+}
 
+/// Phase 2: the charge, paid, on the ride.
+async fn record_charge(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    ride_id: i64,
+    charge: &Charge,
+    found: Found,
+) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let mut phase = state.store.phase(lease, RidePoint::ChargeCreated).await?;
     sqlx::query(
         "UPDATE rides SET charge_id = $3, status = 'paid', updated_at = now()
          WHERE id = $1 AND user_id = $2",
     )
-    .bind(ride.ride_id)
+    .bind(ride_id)
     .bind(user_id)
     .bind(&charge.id)
     .execute(phase.conn())
@@ -255,13 +500,113 @@ async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
         phase.conn(),
         user_id,
         "ride.charged",
-        ride.ride_id,
-        json!({ "charge_id": charge.id }),
+        ride_id,
+        json!({ "charge_id": charge.id, "adopted": found == Found::Adopted }),
     )
     .await?;
     phase.commit().await?;
     crash_point(state, crate::failpoints::AFTER_CHARGE_CREATED)?;
     Ok(Step::Advanced)
+}
+
+/// The charge exists but is pending: recorded, so that the resumption retrieves it instead of
+/// asking for it again.
+async fn record_pending(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    ride_id: i64,
+    charge: &Charge,
+) -> Result<(), BookingError> {
+    let user_id = lease.user_id();
+    let mut phase = state.store.phase(lease, RidePoint::ChargePending).await?;
+    sqlx::query(
+        "UPDATE rides SET charge_id = $3, status = 'payment_pending', updated_at = now()
+         WHERE id = $1 AND user_id = $2",
+    )
+    .bind(ride_id)
+    .bind(user_id)
+    .bind(&charge.id)
+    .execute(phase.conn())
+    .await
+    .map_err(db("record pending charge"))?;
+    audit(
+        phase.conn(),
+        user_id,
+        "ride.charge_pending",
+        ride_id,
+        json!({ "charge_id": charge.id }),
+    )
+    .await?;
+    phase.commit().await?;
+    Ok(())
+}
+
+/// From `charge_pending`: asks the gateway how the charge stands now.
+async fn resolve_pending(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+) -> Result<Step, BookingError> {
+    let target = ChargeTarget::load(state, lease).await?;
+    let charge_id = target.charge_id.clone().ok_or_else(|| {
+        BookingError::Internal(format!(
+            "ride {} is pending without a charge",
+            target.ride_id
+        ))
+    })?;
+    let result = with_heartbeat(state, lease, state.stripe.retrieve_charge(&charge_id)).await?;
+    match result {
+        Ok(charge) if charge.id == charge_id => {
+            settle(state, lease, &target, charge, Found::Retrieved).await
+        }
+        Ok(other) => Err(BookingError::Internal(format!(
+            "asked for charge {charge_id}, the gateway answered with {}",
+            other.id
+        ))),
+        // The recorded charge is unknown to the gateway: nothing the request can decide alone.
+        Err(ChargeError::Refused { message, .. }) => Err(BookingError::Internal(format!(
+            "the gateway does not know pending charge {charge_id}: {message}"
+        ))),
+        Err(ChargeError::Misconfigured(why)) => Err(BookingError::GatewayMisconfigured(why)),
+        Err(
+            e @ (ChargeError::Declined { .. }
+            | ChargeError::StoredServerError { .. }
+            | ChargeError::Transient(_)),
+        ) => Err(BookingError::GatewayUnavailable(e.to_string())),
+    }
+}
+
+/// A gateway error: a decline or a refusal finishes the request; anything else hands it back.
+async fn refusal_or_error(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    ride_id: i64,
+    error: ChargeError,
+) -> Result<Step, BookingError> {
+    match error {
+        ChargeError::Declined { code, message } => {
+            declined(state, lease, ride_id, &code, &message).await
+        }
+        ChargeError::Refused {
+            status,
+            kind,
+            code,
+            param,
+            message,
+        } => {
+            let refusal = Refusal {
+                status,
+                kind,
+                code,
+                param,
+                message,
+            };
+            refused(state, lease, ride_id, &refusal).await
+        }
+        ChargeError::Misconfigured(why) => Err(BookingError::GatewayMisconfigured(why)),
+        e @ (ChargeError::StoredServerError { .. } | ChargeError::Transient(_)) => {
+            Err(BookingError::GatewayUnavailable(e.to_string()))
+        }
+    }
 }
 
 /// Awaits a foreign call while renewing the lease every heartbeat period.
@@ -299,8 +644,10 @@ async fn declined(
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let mut phase = state.store.final_phase(lease).await?;
+    // A charge recorded pending that then failed is not the ride's charge: it moved no money.
     sqlx::query(
-        "UPDATE rides SET status = 'declined', updated_at = now() WHERE id = $1 AND user_id = $2",
+        "UPDATE rides SET status = 'declined', charge_id = NULL, updated_at = now()
+         WHERE id = $1 AND user_id = $2",
     )
     .bind(ride_id)
     .bind(user_id)
@@ -322,15 +669,76 @@ async fn declined(
     )
     .with_detail(format!("the card was declined: {message}"))
     .with_extension("decline_code", code.into());
-    let response = StoredResponse {
-        status: 402,
-        headers: vec![(
-            "content-type".to_owned(),
-            idempotency_axum::PROBLEM_JSON.to_owned(),
-        )],
-        body: problem.body().to_string().into_bytes(),
-    };
+    let response = problem_response(&problem);
     phase.finish(&response).await?;
+    Ok(Step::Respond(response))
+}
+
+/// What the gateway said when it refused a charge for good.
+#[derive(Debug)]
+struct Refusal {
+    status: u16,
+    kind: String,
+    code: Option<String>,
+    param: Option<String>,
+    message: String,
+}
+
+/// The final phase of a charge the gateway refused for good: the ride failed, the 502 is stored.
+/// Retrying cannot change the gateway's answer, and a key that never finishes would be retried
+/// by the completer forever.
+async fn refused(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    ride_id: i64,
+    refusal: &Refusal,
+) -> Result<Step, BookingError> {
+    tracing::error!(
+        key_id = lease.key_id(),
+        ride_id,
+        status = refusal.status,
+        kind = %refusal.kind,
+        code = ?refusal.code,
+        message = %redact_secrets(&refusal.message),
+        "the gateway refused the charge for good"
+    );
+    let user_id = lease.user_id();
+    let mut phase = state.store.final_phase(lease).await?;
+    sqlx::query(
+        "UPDATE rides SET status = 'failed', updated_at = now() WHERE id = $1 AND user_id = $2",
+    )
+    .bind(ride_id)
+    .bind(user_id)
+    .execute(phase.conn())
+    .await
+    .map_err(db("mark ride failed"))?;
+    let gateway_error = json!({
+        "status": refusal.status,
+        "type": refusal.kind,
+        "code": refusal.code,
+        "param": refusal.param,
+    });
+    audit(
+        phase.conn(),
+        user_id,
+        "ride.payment_refused",
+        ride_id,
+        gateway_error.clone(),
+    )
+    .await?;
+    let problem = Problem::new(
+        http::StatusCode::BAD_GATEWAY,
+        types::PAYMENT_REFUSED,
+        "Payment refused by the gateway",
+    )
+    .with_detail(format!(
+        "the payment gateway refused the charge: {}",
+        redact_secrets(&refusal.message)
+    ))
+    .with_extension("gateway_error", gateway_error);
+    let response = problem_response(&problem);
+    phase.finish(&response).await?;
+    state.metrics.payment_refused();
     Ok(Step::Respond(response))
 }
 
@@ -357,6 +765,34 @@ async fn finish(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
     Ok(Step::Respond(response))
 }
 
+fn problem_response(problem: &Problem) -> StoredResponse {
+    StoredResponse {
+        status: problem.status().as_u16(),
+        headers: vec![(
+            "content-type".to_owned(),
+            idempotency_axum::PROBLEM_JSON.to_owned(),
+        )],
+        body: problem.body().to_string().into_bytes(),
+    }
+}
+
+/// Replaces anything shaped like a secret API key (`sk_…`, `rk_…`) in a gateway's message, so
+/// that what a gateway echoes never reaches a client's body or a log in clear.
+pub fn redact_secrets(message: &str) -> String {
+    message
+        .split(' ')
+        .map(|word| {
+            let bare = word.trim_start_matches(|c: char| !c.is_ascii_alphanumeric());
+            if bare.starts_with("sk_") || bare.starts_with("rk_") {
+                "[redacted]"
+            } else {
+                word
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 async fn audit(
     conn: &mut PgConnection,
     user_id: i64,
@@ -376,4 +812,31 @@ async fn audit(
     .await
     .map_err(db("write audit record"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secret_keys_are_redacted_from_gateway_messages() {
+        assert_eq!(
+            redact_secrets("Invalid API Key provided: sk_live_abc123 (check it)"),
+            "Invalid API Key provided: [redacted] (check it)"
+        );
+        assert_eq!(
+            redact_secrets("No such customer: 'cus_1'"),
+            "No such customer: 'cus_1'"
+        );
+        assert_eq!(redact_secrets("key 'rk_test_x'"), "key [redacted]");
+    }
+
+    #[test]
+    fn gateway_keys_differ_by_request_and_generation() {
+        let a = idempotency::Uuid::from_u128(1);
+        let b = idempotency::Uuid::from_u128(2);
+        assert_ne!(gateway_key(a, 1), gateway_key(b, 1));
+        assert_ne!(gateway_key(a, 1), gateway_key(a, 2));
+        assert!(gateway_key(a, 1).len() <= 255, "Stripe's limit");
+    }
 }

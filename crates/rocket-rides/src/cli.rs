@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use idempotency::{DatabaseClock, Store};
+use idempotency::{DatabaseClock, KeyFilter, Store};
 
 use crate::app::{self, AppState};
 use crate::config::{GatewayArgs, LeaseArgs, ShutdownArgs, WorkerArgs};
@@ -109,8 +109,11 @@ enum KeysCommand {
         #[command(flatten)]
         db: DatabaseArgs,
         /// Only keys that have not finished.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "status")]
         unfinished: bool,
+        /// Only keys finished with this stored status (502: refused by the gateway for good).
+        #[arg(long, value_parser = clap::value_parser!(u16).range(100..=599))]
+        status: Option<u16>,
         /// How many.
         #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..=10_000))]
         limit: i64,
@@ -143,12 +146,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             crate::config::validate(&gateway, &LeaseArgs::default()).map_err(anyhow::Error::msg)?;
             let pool = connect(&db, 2).await?;
-            let stripe = StripeClient::new(
-                &gateway.stripe_api_base,
-                &gateway.stripe_api_key,
-                gateway.gateway_connect_timeout,
-                gateway.gateway_timeout,
-            )?;
+            let stripe = StripeClient::from_args(&gateway)?;
             let user = crate::users::create_user(&pool, &stripe, &email, &card).await?;
             println!("{}", serde_json::to_string(&user)?);
         }
@@ -226,8 +224,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 KeysCommand::List {
                     db,
                     unfinished,
+                    status,
                     limit,
-                } => (db, Err((unfinished, limit))),
+                } => {
+                    let filter = match (unfinished, status) {
+                        (true, _) => KeyFilter::Unfinished,
+                        (false, Some(status)) => KeyFilter::FinishedWith(status),
+                        (false, None) => KeyFilter::All,
+                    };
+                    (db, Err((filter, limit)))
+                }
                 KeysCommand::Show { db, id } => (db, Ok(id)),
             };
             let pool = connect(&db, 2).await?;
@@ -244,8 +250,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                         .with_context(|| format!("no key {id}"))?;
                     println!("{}", serde_json::to_string_pretty(&key)?);
                 }
-                Err((unfinished, limit)) => {
-                    for key in store.list(unfinished, limit).await? {
+                Err((filter, limit)) => {
+                    for key in store.list(filter, limit).await? {
                         println!("{}", serde_json::to_string(&key)?);
                     }
                 }

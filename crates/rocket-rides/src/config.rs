@@ -1,5 +1,6 @@
 //! Settings: every time limit named, defaulted, validated, and checked against the others.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
@@ -30,7 +31,24 @@ pub struct GatewayArgs {
     /// Time limit of one gateway call; must stay below the lease TTL minus 5 s.
     #[arg(long, env = "GATEWAY_TIMEOUT", value_parser = parse_duration, default_value = "10s")]
     pub gateway_timeout: Duration,
+    /// PEM certificates to trust for the gateway, besides the platform's roots (a gateway or a
+    /// proxy behind a private CA).
+    #[arg(long, env = "STRIPE_CA_FILE")]
+    pub stripe_ca_file: Option<PathBuf>,
+    /// How long after a key's first use the gateway is trusted to remember it. A charge resumed
+    /// later than this is reconciled first (the customer's charges are listed for one naming the
+    /// request) instead of being asked for again under a key the gateway may have forgotten.
+    /// Stripe keeps keys for 24 h; keep this below that by more than the gateway timeout.
+    #[arg(long, env = "GATEWAY_KEY_WINDOW", value_parser = parse_duration, default_value = "23h")]
+    pub gateway_key_window: Duration,
 }
+
+/// How long Stripe keeps an idempotency key: it may forget it once it is 24 hours old.
+pub const STRIPE_KEY_RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+/// Default of `--gateway-key-window`: an hour inside Stripe's retention, so that a key is trusted
+/// only while the gateway surely remembers it.
+pub const DEFAULT_GATEWAY_KEY_WINDOW: Duration = Duration::from_secs(23 * 3600);
 
 /// The idempotency lease.
 #[derive(Debug, Clone, Args)]
@@ -159,6 +177,8 @@ impl Default for GatewayArgs {
             stripe_api_key: "sk_test_rocketrides".into(),
             gateway_connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             gateway_timeout: DEFAULT_GATEWAY_TIMEOUT,
+            stripe_ca_file: None,
+            gateway_key_window: DEFAULT_GATEWAY_KEY_WINDOW,
         }
     }
 }
@@ -194,6 +214,16 @@ pub fn validate(gateway: &GatewayArgs, lease: &LeaseArgs) -> Result<(), String> 
         return Err(format!(
             "--lease-heartbeat ({:?}) must be above zero and below half of --lease-ttl ({:?})",
             lease.lease_heartbeat, lease.lease_ttl
+        ));
+    }
+    if gateway.gateway_key_window < Duration::from_secs(1)
+        || gateway.gateway_key_window + gateway.gateway_timeout > STRIPE_KEY_RETENTION
+    {
+        return Err(format!(
+            "--gateway-key-window ({:?}) must be at least 1s, and with --gateway-timeout ({:?}) \
+             stay within the gateway's key retention ({:?}): a key must not be used once the \
+             gateway may have forgotten it",
+            gateway.gateway_key_window, gateway.gateway_timeout, STRIPE_KEY_RETENTION
         ));
     }
     let http = gateway.stripe_api_base.starts_with("http://")
@@ -282,6 +312,21 @@ mod tests {
             ..Default::default()
         };
         assert!(validate_worker(&short, &lease).is_err());
+    }
+
+    #[test]
+    fn the_key_window_must_stay_inside_the_gateways_retention() {
+        let wide = GatewayArgs {
+            gateway_key_window: STRIPE_KEY_RETENTION,
+            ..Default::default()
+        };
+        let err = validate(&wide, &LeaseArgs::default()).unwrap_err();
+        assert!(err.contains("--gateway-key-window"), "{err}");
+        let zero = GatewayArgs {
+            gateway_key_window: Duration::ZERO,
+            ..Default::default()
+        };
+        assert!(validate(&zero, &LeaseArgs::default()).is_err());
     }
 
     #[test]

@@ -15,6 +15,9 @@
 
 /// After the phase that creates the ride has committed.
 pub const AFTER_RIDE_CREATED: &str = "after_ride_created";
+/// After the phase that starts a new generation of the gateway key committed, before the charge
+/// under it (only on a reconciliation that found no charge).
+pub const AFTER_NEW_GENERATION: &str = "after_new_generation";
 /// After the gateway charged the card, before the charge is recorded.
 pub const AFTER_GATEWAY_CHARGE: &str = "after_gateway_charge";
 /// After the phase that records the charge has committed.
@@ -25,8 +28,9 @@ pub const AFTER_FINISHED: &str = "after_finished";
 pub const AFTER_RECEIPT_EFFECT: &str = "after_receipt_effect";
 
 /// Every point, in the order of a request's life.
-pub const ALL: [&str; 5] = [
+pub const ALL: [&str; 6] = [
     AFTER_RIDE_CREATED,
+    AFTER_NEW_GENERATION,
     AFTER_GATEWAY_CHARGE,
     AFTER_CHARGE_CREATED,
     AFTER_FINISHED,

@@ -40,8 +40,51 @@ pub enum ChargeOutcome {
     Declined,
     /// No usable answer; resumed later.
     Unavailable,
-    /// The gateway refused the request itself.
-    Rejected,
+    /// The gateway refused the request for good (the request finishes with a 502).
+    Refused,
+    /// The gateway refused our credentials, or its certificate is not trusted.
+    Misconfigured,
+    /// The charge was created `pending`.
+    Pending,
+    /// The gateway replayed a 5xx it stored under the key (the key is reconciled).
+    StoredError,
+}
+
+/// The labels of `gateway_charges_total`, in the order of [`ChargeOutcome`].
+const CHARGE_OUTCOMES: [&str; 7] = [
+    "charged",
+    "declined",
+    "unavailable",
+    "refused",
+    "misconfigured",
+    "pending",
+    "stored_error",
+];
+
+impl ChargeOutcome {
+    /// The outcome of one call's result.
+    pub fn of(result: &Result<crate::stripe::Charge, crate::stripe::ChargeError>) -> Self {
+        use crate::stripe::ChargeError;
+        match result {
+            Ok(charge) if charge.status == "pending" => Self::Pending,
+            Ok(charge) if charge.status == "failed" => Self::Declined,
+            Ok(_) => Self::Charged,
+            Err(ChargeError::Declined { .. }) => Self::Declined,
+            Err(ChargeError::Refused { .. }) => Self::Refused,
+            Err(ChargeError::Misconfigured(_)) => Self::Misconfigured,
+            Err(ChargeError::StoredServerError { .. }) => Self::StoredError,
+            Err(ChargeError::Transient(_)) => Self::Unavailable,
+        }
+    }
+}
+
+/// How a reconciliation (a list of the customer's charges) ended.
+#[derive(Debug, Clone, Copy)]
+pub enum Reconciliation {
+    /// The charge made for the request was found and adopted.
+    Adopted,
+    /// None was found; a new generation of the gateway key charges.
+    NoneFound,
 }
 
 /// The service's counters. Cheap to clone; clones share the counts.
@@ -53,7 +96,9 @@ struct Counters {
     /// (method, route template, status) → count.
     http: Mutex<BTreeMap<(String, String, u16), u64>>,
     claims: [AtomicU64; 4],
-    charges: [AtomicU64; 4],
+    charges: [AtomicU64; 7],
+    reconciliations: [AtomicU64; 2],
+    payments_refused: AtomicU64,
     leases_lost: AtomicU64,
     /// Completer outcomes, in the order of [`COMPLETER_OUTCOMES`].
     completer: [AtomicU64; 5],
@@ -73,6 +118,16 @@ impl Metrics {
     /// Counts one gateway charge call.
     pub fn charge(&self, outcome: ChargeOutcome) {
         self.0.charges[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one reconciliation.
+    pub fn reconciliation(&self, outcome: Reconciliation) {
+        self.0.reconciliations[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request finished with a 502 because the gateway refused its charge for good.
+    pub fn payment_refused(&self) {
+        self.0.payments_refused.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a request or completer attempt that found its lease taken over.
@@ -142,13 +197,26 @@ impl Metrics {
             "# HELP gateway_charges_total Calls to the gateway's charge endpoint, by outcome.\n",
         );
         out.push_str("# TYPE gateway_charges_total counter\n");
-        for (i, name) in ["charged", "declined", "unavailable", "rejected"]
-            .iter()
-            .enumerate()
-        {
-            let count = self.0.charges[i].load(Ordering::Relaxed);
+        for (name, counter) in CHARGE_OUTCOMES.iter().zip(&self.0.charges) {
+            let count = counter.load(Ordering::Relaxed);
             let _ = writeln!(out, "gateway_charges_total{{outcome=\"{name}\"}} {count}");
         }
+        out.push_str("# HELP gateway_reconciliations_total Lists of a customer's charges made because the gateway key could not be trusted, by outcome.\n");
+        out.push_str("# TYPE gateway_reconciliations_total counter\n");
+        for (name, counter) in ["adopted", "none_found"]
+            .iter()
+            .zip(&self.0.reconciliations)
+        {
+            let count = counter.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "gateway_reconciliations_total{{outcome=\"{name}\"}} {count}"
+            );
+        }
+        out.push_str("# HELP payments_refused_total Requests finished with 502 because the gateway refused the charge for good.\n");
+        out.push_str("# TYPE payments_refused_total counter\n");
+        let refused = self.0.payments_refused.load(Ordering::Relaxed);
+        let _ = writeln!(out, "payments_refused_total {refused}");
         out.push_str("# HELP idempotency_leases_lost_total Requests stopped because another holder took their key over.\n");
         out.push_str("# TYPE idempotency_leases_lost_total counter\n");
         let _ = writeln!(

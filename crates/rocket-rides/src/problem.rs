@@ -27,6 +27,10 @@ pub mod types {
     pub const PAYMENT_DECLINED: &str = "urn:problem:rocket-rides:payment-declined";
     /// No such resource for this user (404).
     pub const NOT_FOUND: &str = "urn:problem:rocket-rides:not-found";
+    /// The gateway refused the charge for good; the request is finished (502, stored).
+    pub const PAYMENT_REFUSED: &str = "urn:problem:rocket-rides:payment-refused";
+    /// The charge is pending at the gateway; retry later (503).
+    pub const PAYMENT_PENDING: &str = "urn:problem:rocket-rides:payment-pending";
     /// The payment gateway is unavailable; retry (503).
     pub const GATEWAY_UNAVAILABLE: &str = "urn:problem:rocket-rides:gateway-unavailable";
     /// The server is shutting down; retry, another instance resumes the request (503).
@@ -42,6 +46,10 @@ pub mod types {
 /// Short: the lease is released at once, so the retry is not refused; the wait only spares a
 /// gateway that is struggling.
 pub const GATEWAY_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// How long a client should wait before asking again about a pending charge: a gateway
+/// settles a pending card charge in seconds, a bank debit in days; the completer keeps asking.
+pub const PENDING_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 /// Detail of the 401.
 pub const UNAUTHORIZED_DETAIL: &str = "send a valid API key as `Authorization: Bearer <key>`";
@@ -69,6 +77,9 @@ pub enum ApiError {
     /// The gateway gave no usable answer.
     #[error("payment gateway unavailable: {0}")]
     GatewayUnavailable(String),
+    /// The charge exists at the gateway but is still pending.
+    #[error("payment pending: {0}")]
+    PaymentPending(String),
     /// Another worker took the key over while this request ran.
     #[error("lease lost")]
     LeaseLost,
@@ -130,6 +141,19 @@ impl IntoResponse for ApiError {
                     "the payment could not be confirmed yet; retry with the same Idempotency-Key",
                 )
                 .with_retry_after(GATEWAY_RETRY_AFTER)
+            }
+            Self::PaymentPending(charge) => {
+                tracing::info!(charge = %charge, "payment pending at the gateway");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    types::PAYMENT_PENDING,
+                    "Payment pending",
+                )
+                .with_detail(
+                    "the payment gateway is still processing the charge; retry with the same \
+                     Idempotency-Key",
+                )
+                .with_retry_after(PENDING_RETRY_AFTER)
             }
             Self::LeaseLost => Problem::new(
                 StatusCode::CONFLICT,

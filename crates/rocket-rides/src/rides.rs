@@ -281,6 +281,13 @@ async fn book(state: &AppState, mut lease: Lease<RidePoint>) -> Result<Response,
             return Err(ApiError::LeaseLost);
         }
         Err(BookingError::GatewayUnavailable(why)) => ApiError::GatewayUnavailable(why),
+        Err(BookingError::GatewayMisconfigured(why)) => {
+            // Ours to fix, not the client's: loud in the log, counted in gateway_charges_total
+            // (outcome "misconfigured"), and a plain 503 to the client, who may retry.
+            tracing::error!(key_id, error = %why, "payment gateway misconfigured");
+            ApiError::GatewayUnavailable(why)
+        }
+        Err(BookingError::PaymentPending(charge)) => ApiError::PaymentPending(charge),
         Err(BookingError::GivenUp) => ApiError::ShuttingDown,
         Err(BookingError::Internal(why)) => ApiError::Internal(why),
     };

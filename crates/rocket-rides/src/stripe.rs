@@ -1,13 +1,23 @@
-//! The payment gateway client: Stripe's wire format, so it talks to Stripe or to `fakestripe`.
+//! The payment gateway client: Stripe's wire format over HTTPS (rustls), so it talks to Stripe or
+//! to `fakestripe`.
 //!
-//! Every outcome of a charge falls in one of three classes, and the phase machine depends on the
+//! Every outcome of a gateway call falls in one class, and the phase machine depends on the
 //! classification being right:
-//! - [`ChargeError::Declined`]: the gateway answered 402 `card_error`. Final: stored as 402.
-//! - [`ChargeError::Transient`]: no answer (connect failure, timeout, dropped connection), 5xx,
-//!   429, or 409 (the same key is still in flight at the gateway). The charge may or may not exist;
-//!   retrying with the same idempotency key finds out without charging twice.
-//! - [`ChargeError::Rejected`]: any other 4xx. Our request was wrong; retrying will not help.
+//!
+//! | answer | class | what the booking does |
+//! |---|---|---|
+//! | 2xx with a charge | `Ok(Charge)`: look at its `status` | `succeeded`: paid; `pending`: resolved later by retrieving it; `failed`: a decline |
+//! | 402 `card_error` | [`ChargeError::Declined`] | final 402 |
+//! | 400/404 `invalid_request_error`, 400 `idempotency_error`, any other 4xx but those below | [`ChargeError::Refused`] | final 502: retrying cannot help |
+//! | 401, 403, a certificate the client does not trust | [`ChargeError::Misconfigured`] | 503, logged as an error: ours to fix, never final |
+//! | 5xx with Stripe's error body, **replayed** under the key | [`ChargeError::StoredServerError`] | the key holds a 500 for good: reconcile |
+//! | 5xx otherwise, 408, 409, 424, 425, 429, no answer, a cut or unreadable answer | [`ChargeError::Transient`] | 503; the retry resumes under the same key |
+//!
+//! A stored 500 is told from a passing one by `Idempotent-Replayed: true`: only a replay proves
+//! that the gateway finished with the key (a request still running under it would get 409, not a
+//! replay), which is what makes it safe to stop using the key.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -25,8 +35,21 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// lease cannot expire while we still wait on a call that may charge.
 pub const DEFAULT_GATEWAY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The longest gateway body we read; Stripe's objects are a few kilobytes.
-const MAX_RESPONSE_BYTES: usize = 256 * 1024;
+/// The longest gateway body we read; Stripe's objects are a few kilobytes, a page of 100
+/// charges some hundred.
+const MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
+/// Charges asked for per page when reconciling (Stripe's largest page).
+const LIST_PAGE: u32 = 100;
+
+/// The most pages a reconciling list reads. A customer with more charges than this since the
+/// first attempt cannot be reconciled automatically; the list fails as transient and the key
+/// stays unfinished, visible to an operator (`rocket-rides keys list --unfinished`).
+const MAX_LIST_PAGES: u32 = 100;
+
+/// The metadata entry that names the request a charge was made for: the key row's UUID. A
+/// request finds its own charge by it when its gateway key can no longer be trusted to.
+pub const REQUEST_METADATA: &str = "rocket_rides_request";
 
 /// A Stripe API client.
 #[derive(Debug, Clone)]
@@ -36,13 +59,36 @@ pub struct StripeClient {
     secret_key: String,
 }
 
-/// A created charge.
+/// A charge as the gateway shows it.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Charge {
     /// `ch_…`
     pub id: String,
     /// In the currency's smallest unit.
     pub amount: i64,
+    /// The customer charged, `cus_…`.
+    #[serde(default)]
+    pub customer: Option<String>,
+    /// `succeeded`, `pending` or `failed`.
+    pub status: String,
+    /// Unix seconds.
+    pub created: i64,
+    /// String values under string keys.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Why a `failed` charge failed.
+    #[serde(default)]
+    pub failure_code: Option<String>,
+    /// The human message of a `failed` charge.
+    #[serde(default)]
+    pub failure_message: Option<String>,
+}
+
+impl Charge {
+    /// The request this charge was made for, from its metadata.
+    pub fn request(&self) -> Option<&str> {
+        self.metadata.get(REQUEST_METADATA).map(String::as_str)
+    }
 }
 
 /// A created customer.
@@ -52,7 +98,26 @@ pub struct Customer {
     pub id: String,
 }
 
-/// A charge that did not happen (or whose result is unknown).
+#[derive(Deserialize)]
+struct ChargeList {
+    data: Vec<Charge>,
+    has_more: bool,
+}
+
+/// A charge to create.
+#[derive(Debug, Clone)]
+pub struct NewCharge<'a> {
+    /// In cents (`usd`).
+    pub amount_cents: i64,
+    /// `cus_…`
+    pub customer: &'a str,
+    /// Shown on the customer's statement and in the dashboard.
+    pub description: &'a str,
+    /// Kept with the charge; [`REQUEST_METADATA`] names the request.
+    pub metadata: &'a [(&'a str, String)],
+}
+
+/// A gateway call that did not give a charge (or whose result is unknown).
 #[derive(Debug, thiserror::Error)]
 pub enum ChargeError {
     /// The card was refused. Final.
@@ -63,17 +128,36 @@ pub enum ChargeError {
         /// Stripe's human message.
         message: String,
     },
-    /// The outcome is unknown or the gateway is unavailable; retry with the same key.
-    #[error("gateway unavailable: {0}")]
-    Transient(String),
-    /// The gateway refused the request itself.
-    #[error("gateway rejected the request ({status}): {message}")]
-    Rejected {
+    /// The gateway refused the request for good: retrying cannot change the answer.
+    #[error("gateway refused the request ({status} {kind}): {message}")]
+    Refused {
+        /// HTTP status.
+        status: u16,
+        /// Stripe's `type` (`invalid_request_error`, `idempotency_error`).
+        kind: String,
+        /// Stripe's `code`, if any (`resource_missing`).
+        code: Option<String>,
+        /// Stripe's `param`, if any (`customer`).
+        param: Option<String>,
+        /// Stripe's human message.
+        message: String,
+    },
+    /// Our side is wrong: the gateway refused our credentials (401/403), or its certificate is
+    /// not one we trust. Not the request's fault, never final; an operator must act.
+    #[error("gateway misconfigured: {0}")]
+    Misconfigured(String),
+    /// The gateway replayed a 5xx it stored under this key: the key will answer this way until
+    /// the gateway forgets it.
+    #[error("gateway replayed a stored {status}: {message}")]
+    StoredServerError {
         /// HTTP status.
         status: u16,
         /// Stripe's message.
         message: String,
     },
+    /// The outcome is unknown or the gateway is unavailable; retry with the same key.
+    #[error("gateway unavailable: {0}")]
+    Transient(String),
 }
 
 #[derive(Deserialize)]
@@ -86,26 +170,80 @@ struct ErrorObject {
     #[serde(rename = "type")]
     kind: Option<String>,
     code: Option<String>,
+    param: Option<String>,
     message: Option<String>,
 }
 
+/// Why a client could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The CA file could not be read or holds no certificate.
+    #[error("--stripe-ca-file {path}: {why}")]
+    CaFile {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// reqwest refused the configuration.
+    #[error("build the gateway client: {0}")]
+    Build(#[from] reqwest::Error),
+}
+
 impl StripeClient {
-    /// A client for the API at `base` (`https://api.stripe.com` or a fakestripe address).
+    /// A client for the API at `base` (`https://api.stripe.com` or a fakestripe address). It
+    /// trusts the platform's root certificates and, in addition, `extra_roots_pem` (a PEM bundle,
+    /// for a gateway behind a private CA).
     pub fn new(
         base: &str,
         secret_key: &str,
         connect_timeout: Duration,
         timeout: Duration,
+        extra_roots_pem: Option<&[u8]>,
     ) -> Result<Self, reqwest::Error> {
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(connect_timeout)
             .timeout(timeout)
-            .build()?;
+            // Only https:// and http:// are used; a redirect from a payment API is a surprise to
+            // report, not to follow with our secret key.
+            .redirect(reqwest::redirect::Policy::none());
+        if let Some(pem) = extra_roots_pem {
+            for certificate in reqwest::Certificate::from_pem_bundle(pem)? {
+                builder = builder.add_root_certificate(certificate);
+            }
+        }
         Ok(Self {
-            http,
+            http: builder.build()?,
             base: base.trim_end_matches('/').to_owned(),
             secret_key: secret_key.to_owned(),
         })
+    }
+
+    /// A client from the command line's settings: reads `--stripe-ca-file` if given.
+    pub fn from_args(args: &crate::config::GatewayArgs) -> Result<Self, ClientError> {
+        let pem = match &args.stripe_ca_file {
+            None => None,
+            Some(path) => {
+                let ca_error = |why: String| ClientError::CaFile {
+                    path: path.display().to_string(),
+                    why,
+                };
+                let pem = std::fs::read(path).map_err(|e| ca_error(e.to_string()))?;
+                let found = reqwest::Certificate::from_pem_bundle(&pem)
+                    .map_err(|e| ca_error(format!("not a PEM bundle: {e}")))?;
+                if found.is_empty() {
+                    return Err(ca_error("holds no PEM certificate".into()));
+                }
+                Some(pem)
+            }
+        };
+        Ok(Self::new(
+            &args.stripe_api_base,
+            &args.stripe_api_key,
+            args.gateway_connect_timeout,
+            args.gateway_timeout,
+            pem.as_deref(),
+        )?)
     }
 
     /// The API base URL.
@@ -120,59 +258,169 @@ impl StripeClient {
         source: &str,
         idempotency_key: &str,
     ) -> Result<Customer, ChargeError> {
-        self.post(
-            "/v1/customers",
-            &[("email", email), ("source", source)],
-            idempotency_key,
-        )
-        .await
+        let form = [("email", email), ("source", source)];
+        let answer = self.post("/v1/customers", &form, idempotency_key).await?;
+        answer.decode("/v1/customers")
     }
 
-    /// `POST /v1/charges` under `idempotency_key`: the same key always yields the same charge.
+    /// `POST /v1/charges` under `idempotency_key`: the same key always yields the same result,
+    /// for as long as the gateway keeps the key.
     pub async fn create_charge(
         &self,
         idempotency_key: &str,
-        amount_cents: i64,
-        customer: &str,
-        description: &str,
-        ride_id: i64,
+        charge: &NewCharge<'_>,
     ) -> Result<Charge, ChargeError> {
-        let amount = amount_cents.to_string();
-        let ride_id = ride_id.to_string();
-        let form = [
+        let amount = charge.amount_cents.to_string();
+        let metadata: Vec<(String, &str)> = charge
+            .metadata
+            .iter()
+            .map(|(name, value)| (format!("metadata[{name}]"), value.as_str()))
+            .collect();
+        let mut form = vec![
             ("amount", amount.as_str()),
             ("currency", "usd"),
-            ("customer", customer),
-            ("description", description),
-            ("metadata[ride_id]", ride_id.as_str()),
+            ("customer", charge.customer),
+            ("description", charge.description),
         ];
-        self.post("/v1/charges", &form, idempotency_key).await
+        form.extend(metadata.iter().map(|(name, value)| (name.as_str(), *value)));
+        let answer = self.post("/v1/charges", &form, idempotency_key).await?;
+        answer.decode("/v1/charges")
     }
 
-    async fn post<T: for<'de> Deserialize<'de>>(
+    /// `GET /v1/charges/{id}`: the charge as it is now (a pending charge may have settled).
+    pub async fn retrieve_charge(&self, id: &str) -> Result<Charge, ChargeError> {
+        let path = format!("/v1/charges/{id}");
+        let answer = self.get(&path, &[]).await?;
+        answer.decode(&path)
+    }
+
+    /// Every charge of `customer` created at or after `since` (unix seconds), following the
+    /// list's pages (`has_more`, `starting_after`), newest first.
+    pub async fn list_charges(
+        &self,
+        customer: &str,
+        since: i64,
+    ) -> Result<Vec<Charge>, ChargeError> {
+        let (since, limit) = (since.to_string(), LIST_PAGE.to_string());
+        let mut charges: Vec<Charge> = Vec::new();
+        for _ in 0..MAX_LIST_PAGES {
+            let mut query = vec![
+                ("customer", customer),
+                ("created[gte]", since.as_str()),
+                ("limit", limit.as_str()),
+            ];
+            if let Some(last) = charges.last() {
+                query.push(("starting_after", last.id.as_str()));
+            }
+            let page: ChargeList = self
+                .get("/v1/charges", &query)
+                .await?
+                .decode("/v1/charges")?;
+            charges.extend(page.data);
+            if !page.has_more {
+                return Ok(charges);
+            }
+        }
+        Err(ChargeError::Transient(format!(
+            "customer {customer} has more than {} charges since {since}; reconcile by hand",
+            LIST_PAGE * MAX_LIST_PAGES
+        )))
+    }
+
+    async fn post(
         &self,
         path: &str,
         form: &[(&str, &str)],
         idempotency_key: &str,
-    ) -> Result<T, ChargeError> {
+    ) -> Result<Answer, ChargeError> {
         // Serializing string pairs cannot fail.
         let body = serde_urlencoded::to_string(form).expect("string pairs encode");
-        let response = self
+        let request = self
             .http
             .post(format!("{}{path}", self.base))
-            .bearer_auth(&self.secret_key)
             .header("content-type", "application/x-www-form-urlencoded")
             .header("idempotency-key", idempotency_key)
-            .body(body)
+            .body(body);
+        self.send(&format!("POST {path}"), request).await
+    }
+
+    async fn get(&self, path: &str, query: &[(&str, &str)]) -> Result<Answer, ChargeError> {
+        let request = self.http.get(format!("{}{path}", self.base)).query(query);
+        self.send(&format!("GET {path}"), request).await
+    }
+
+    async fn send(
+        &self,
+        what: &str,
+        request: reqwest::RequestBuilder,
+    ) -> Result<Answer, ChargeError> {
+        let response = request
+            .bearer_auth(&self.secret_key)
             .send()
             .await
-            .map_err(|e| ChargeError::Transient(format!("POST {path}: {}", describe(&e))))?;
+            .map_err(|e| transport_error(what, &e))?;
         let status = response.status().as_u16();
-        let bytes = read_limited(response)
+        let replayed = response
+            .headers()
+            .get("idempotent-replayed")
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+        let body = read_limited(response)
             .await
-            .map_err(|why| ChargeError::Transient(format!("POST {path}: {why}")))?;
-        classify(path, status, &bytes)
+            .map_err(|why| ChargeError::Transient(format!("{what}: {why}")))?;
+        Ok(Answer {
+            what: what.to_owned(),
+            status,
+            replayed,
+            body,
+        })
     }
+}
+
+/// A whole gateway answer, not yet classified.
+struct Answer {
+    what: String,
+    status: u16,
+    replayed: bool,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn decode<T: for<'de> Deserialize<'de>>(self, path: &str) -> Result<T, ChargeError> {
+        classify(path, self.status, self.replayed, &self.body).map_err(|e| match e {
+            ChargeError::Transient(why) => ChargeError::Transient(format!("{}: {why}", self.what)),
+            other => other,
+        })
+    }
+}
+
+/// A transport failure: a certificate we do not trust is our misconfiguration; anything else
+/// (refused, reset, timed out) leaves the outcome unknown.
+fn transport_error(what: &str, e: &reqwest::Error) -> ChargeError {
+    let text = format!("{what}: {}", describe(e));
+    if untrusted_certificate(e) {
+        ChargeError::Misconfigured(text)
+    } else {
+        ChargeError::Transient(text)
+    }
+}
+
+/// Whether rustls refused the gateway's certificate somewhere in the error's causes.
+fn untrusted_certificate(e: &reqwest::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        // reqwest wraps rustls' error in an io::Error (twice, through hyper-util).
+        let mut io = cause.downcast_ref::<std::io::Error>();
+        while let Some(inner) = io.and_then(|e| e.get_ref()) {
+            if let Some(rustls::Error::InvalidCertificate(_)) =
+                inner.downcast_ref::<rustls::Error>()
+            {
+                return true;
+            }
+            io = inner.downcast_ref::<std::io::Error>();
+        }
+        source = cause.source();
+    }
+    false
 }
 
 /// Reads a body of at most [`MAX_RESPONSE_BYTES`], chunk by chunk, so that a gateway gone wrong
@@ -198,14 +446,16 @@ async fn read_limited(mut response: reqwest::Response) -> Result<Vec<u8>, String
 fn classify<T: for<'de> Deserialize<'de>>(
     path: &str,
     status: u16,
+    replayed: bool,
     body: &[u8],
 ) -> Result<T, ChargeError> {
     if (200..300).contains(&status) {
         // A 2xx whose body we cannot read may still mean a charge: treat as unknown, retry.
-        return serde_json::from_slice(body).map_err(|e| {
-            ChargeError::Transient(format!("POST {path}: unreadable {status} body: {e}"))
-        });
+        return serde_json::from_slice(body)
+            .map_err(|e| ChargeError::Transient(format!("unreadable {status} body: {e}")));
     }
+    // Only the gateway itself answers with its error object; a proxy or a load balancer in
+    // front of it does not.
     let error = serde_json::from_slice::<ErrorBody>(body)
         .ok()
         .map(|b| b.error);
@@ -213,20 +463,36 @@ fn classify<T: for<'de> Deserialize<'de>>(
         .as_ref()
         .and_then(|e| e.message.clone())
         .unwrap_or_else(|| format!("HTTP {status}"));
+    let kind = error.as_ref().and_then(|e| e.kind.clone());
     match status {
-        402 if error.as_ref().and_then(|e| e.kind.as_deref()) == Some("card_error") => {
-            Err(ChargeError::Declined {
-                code: error
-                    .and_then(|e| e.code)
-                    .unwrap_or_else(|| "card_declined".to_owned()),
+        402 if kind.as_deref() == Some("card_error") => Err(ChargeError::Declined {
+            code: error
+                .and_then(|e| e.code)
+                .unwrap_or_else(|| "card_declined".to_owned()),
+            message,
+        }),
+        401 | 403 => Err(ChargeError::Misconfigured(format!(
+            "{path}: {status} {message}"
+        ))),
+        // 408/425: try again; 409: the same key is still being processed at the gateway (or a
+        // lock timed out); 424: a dependency of the gateway failed; 429: rate limited.
+        408 | 409 | 424 | 425 | 429 => Err(ChargeError::Transient(format!("{status} {message}"))),
+        500..=599 if replayed && error.is_some() => {
+            Err(ChargeError::StoredServerError { status, message })
+        }
+        500..=599 => Err(ChargeError::Transient(format!("{status} {message}"))),
+        // Any other 4xx: the gateway processed our request and said no. Asking again with the
+        // same parameters gets the same no.
+        _ => {
+            let (code, param) = error.map_or((None, None), |e| (e.code, e.param));
+            Err(ChargeError::Refused {
+                status,
+                kind: kind.unwrap_or_else(|| "unknown".to_owned()),
+                code,
+                param,
                 message,
             })
         }
-        // 409: the same idempotency key is still being processed at the gateway.
-        409 | 429 | 500..=599 => Err(ChargeError::Transient(format!(
-            "POST {path}: {status} {message}"
-        ))),
-        _ => Err(ChargeError::Rejected { status, message }),
     }
 }
 
@@ -246,37 +512,88 @@ fn describe(e: &reqwest::Error) -> String {
 mod tests {
     use super::*;
 
-    fn run(status: u16, body: &str) -> Result<Charge, ChargeError> {
-        classify("/v1/charges", status, body.as_bytes())
+    fn run(status: u16, replayed: bool, body: &str) -> Result<Charge, ChargeError> {
+        classify("/v1/charges", status, replayed, body.as_bytes())
     }
 
+    const API_ERROR: &str = r#"{"error":{"type":"api_error","message":"boom"}}"#;
+
     #[test]
-    fn decline_is_final_and_everything_unanswered_is_transient() {
+    fn declines_refusals_misconfiguration_and_the_unknown_are_told_apart() {
         let declined = r#"{"error":{"type":"card_error","code":"card_declined","message":"Your card was declined."}}"#;
         assert!(matches!(
-            run(402, declined),
+            run(402, false, declined),
             Err(ChargeError::Declined { .. })
         ));
-        for status in [409, 429, 500, 502, 503] {
+        for status in [408, 409, 424, 425, 429, 500, 502, 503, 504] {
             assert!(
-                matches!(run(status, "{}"), Err(ChargeError::Transient(_))),
+                matches!(
+                    run(status, false, API_ERROR),
+                    Err(ChargeError::Transient(_))
+                ),
                 "{status}"
             );
         }
         assert!(matches!(
-            run(200, "not json"),
+            run(200, false, "not json"),
             Err(ChargeError::Transient(_))
         ));
+        for status in [401, 403] {
+            assert!(matches!(
+                run(status, false, "{}"),
+                Err(ChargeError::Misconfigured(_))
+            ));
+        }
+        let missing = r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"customer","message":"No such customer: 'cus_1'"}}"#;
+        match run(400, false, missing) {
+            Err(ChargeError::Refused {
+                status: 400,
+                kind,
+                code,
+                param,
+                ..
+            }) => {
+                assert_eq!(kind, "invalid_request_error");
+                assert_eq!(code.as_deref(), Some("resource_missing"));
+                assert_eq!(param.as_deref(), Some("customer"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let mismatch = r#"{"error":{"type":"idempotency_error","message":"Keys for idempotent requests can only be used with the same parameters"}}"#;
         assert!(matches!(
-            run(400, "{}"),
-            Err(ChargeError::Rejected { status: 400, .. })
+            run(400, false, mismatch),
+            Err(ChargeError::Refused { .. })
         ));
-        // A 402 that is not a card error is not a decline we can store.
+        // A 402 that is not a card error is not a decline we can store, and not worth retrying.
         assert!(matches!(
-            run(402, "{}"),
-            Err(ChargeError::Rejected { status: 402, .. })
+            run(402, false, "{}"),
+            Err(ChargeError::Refused { status: 402, .. })
         ));
-        let ok = run(200, r#"{"id":"ch_1","amount":2000,"object":"charge"}"#).unwrap();
+        let ok = run(
+            200,
+            false,
+            r#"{"id":"ch_1","amount":2000,"status":"succeeded","created":1,"object":"charge","metadata":{"rocket_rides_request":"r"}}"#,
+        )
+        .unwrap();
         assert_eq!((ok.id.as_str(), ok.amount), ("ch_1", 2000));
+        assert_eq!(ok.request(), Some("r"));
+    }
+
+    #[test]
+    fn only_a_replayed_gateway_500_is_a_stored_one() {
+        assert!(matches!(
+            run(500, true, API_ERROR),
+            Err(ChargeError::StoredServerError { status: 500, .. })
+        ));
+        // Without the replay header the gateway may still be working on the key.
+        assert!(matches!(
+            run(500, false, API_ERROR),
+            Err(ChargeError::Transient(_))
+        ));
+        // A 502 from a proxy in front of the gateway has no Stripe error body.
+        assert!(matches!(
+            run(502, true, "<html>bad gateway</html>"),
+            Err(ChargeError::Transient(_))
+        ));
     }
 }

@@ -1,7 +1,6 @@
 //! Creating users: a gateway customer with their card, an API key, a row.
 
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
 use crate::auth::{generate_api_key, hash_api_key};
@@ -39,10 +38,14 @@ pub enum CreateUserError {
     Database(#[from] sqlx::Error),
 }
 
-/// Creates the gateway customer with card `source`, then the user.
+/// Creates the user and its gateway customer with card `source`.
 ///
-/// The customer is created under an idempotency key derived from the email, so running the
-/// command again after a failure reuses the same customer instead of making a second one.
+/// The user row comes first, incomplete (no customer, no API key), with a random
+/// `customer_key`; the customer is created under a gateway key derived from it, then the row is
+/// completed. Running the command again after a failure finds the incomplete row and asks the
+/// gateway again under the same key, so it gets the same customer instead of a second one; and
+/// two databases on one gateway account never share a customer key, as they would if it were
+/// derived from the email.
 pub async fn create_user(
     pool: &PgPool,
     stripe: &StripeClient,
@@ -57,34 +60,36 @@ pub async fn create_user(
     if !valid {
         return Err(CreateUserError::InvalidEmail(email.to_owned()));
     }
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM users WHERE email = $1)")
-        .bind(email)
-        .fetch_one(pool)
-        .await?;
-    if exists {
-        return Err(CreateUserError::Duplicate(email.to_owned()));
-    }
-    let gateway_key = format!(
-        "rocket-rides:customer:{}:{source}",
-        hex::encode(Sha256::digest(email))
-    );
-    let customer = stripe.create_customer(email, source, &gateway_key).await?;
-    let api_key = generate_api_key();
-    let id: i64 = sqlx::query_scalar(
-        "INSERT INTO users (email, api_key_hash, stripe_customer_id) VALUES ($1, $2, $3)
-         RETURNING id",
+    // A complete user with this email refuses; an incomplete one (an earlier run that failed)
+    // is taken up again. `ON CONFLICT … WHERE` returns no row for a complete user.
+    let row: Option<(i64, idempotency::Uuid)> = sqlx::query_as(
+        "INSERT INTO users (email) VALUES ($1)
+         ON CONFLICT (email) DO UPDATE SET email = excluded.email
+         WHERE users.stripe_customer_id IS NULL
+         RETURNING id, customer_key",
     )
     .bind(email)
-    .bind(hash_api_key(&api_key).as_slice())
+    .fetch_optional(pool)
+    .await?;
+    let Some((id, customer_key)) = row else {
+        return Err(CreateUserError::Duplicate(email.to_owned()));
+    };
+    let gateway_key = format!("rocket-rides:customer:{customer_key}:{source}");
+    let customer = stripe.create_customer(email, source, &gateway_key).await?;
+    let api_key = generate_api_key();
+    let completed = sqlx::query(
+        "UPDATE users SET stripe_customer_id = $2, api_key_hash = $3
+         WHERE id = $1 AND stripe_customer_id IS NULL",
+    )
+    .bind(id)
     .bind(&customer.id)
-    .fetch_one(pool)
-    .await
-    .map_err(|e| match &e {
-        sqlx::Error::Database(db) if db.constraint() == Some("users_email_key") => {
-            CreateUserError::Duplicate(email.to_owned())
-        }
-        _ => CreateUserError::Database(e),
-    })?;
+    .bind(hash_api_key(&api_key).as_slice())
+    .execute(pool)
+    .await?;
+    if completed.rows_affected() == 0 {
+        // A concurrent run with the same email completed the user first.
+        return Err(CreateUserError::Duplicate(email.to_owned()));
+    }
     Ok(CreatedUser {
         id,
         email: email.to_owned(),

@@ -245,7 +245,13 @@ async fn a_key_whose_gateway_keeps_failing_is_retried_with_backoff_and_stays_unf
             .claimed,
         0
     );
-    let key = app.state.store.list(true, 10).await.unwrap().remove(0);
+    let key = app
+        .state
+        .store
+        .list(idempotency::KeyFilter::Unfinished, 10)
+        .await
+        .unwrap()
+        .remove(0);
     assert_eq!(
         key.attempts, 3,
         "visible: the request and two completer attempts"
@@ -586,4 +592,40 @@ async fn the_worker_counts_what_its_loops_did_on_its_metrics_endpoint(pool: PgPo
             "missing {line:?} in\n{text}"
         );
     }
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_completer_finishes_a_key_the_gateway_refuses_for_good_instead_of_retrying_forever(
+    pool: PgPool,
+) {
+    let app = TestApp::start(pool).await;
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    abandon(&app, &api_key, "k-1", failpoints::AFTER_RIDE_CREATED).await;
+    // Meanwhile the customer was deleted at the gateway: every charge of it is refused.
+    let customer: String = sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
+        .bind(user_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let deleted = app
+        .http
+        .delete(format!(
+            "{}/v1/customers/{customer}",
+            app.state.stripe.base()
+        ))
+        .bearer_auth("sk_test_rocketrides")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+    past_grace(&app);
+    let report = completer::run_once(&app.state, &settings()).await.unwrap();
+    assert_eq!((report.claimed, report.finished), (1, 1), "{report:?}");
+    assert_eq!(unfinished(&app).await, 0);
+    // The client's late retry gets the stored refusal.
+    let late = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(late.status, 502);
+    assert!(late.replayed());
+    assert_eq!(late.problem_type(), types::PAYMENT_REFUSED);
+    assert_eq!(app.charges().await, 0);
 }

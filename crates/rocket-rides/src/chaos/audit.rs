@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use serde_json::Value;
 use sqlx::PgPool;
 
-use super::clients::{Answer, RequestLog};
+use super::clients::{is_payment_refused, Answer, RequestLog};
 use super::report::{InvariantResult, MAX_EXAMPLES};
 
 /// What the database held after the completer's final pass, before the late questions of
@@ -88,10 +88,16 @@ struct Ride {
     id: i64,
     user_id: i64,
     key: Option<String>,
+    /// The request UUID of its key, which its charge's metadata must name.
+    request: Option<String>,
+    /// The key's stored status, once finished.
+    response_status: Option<i16>,
     amount_cents: i32,
     charge_id: Option<String>,
     status: String,
     customer: String,
+    /// Its charge was found by a reconciling list rather than answered by the create call.
+    adopted: bool,
 }
 
 #[derive(Debug, sqlx::FromRow)]
@@ -100,6 +106,7 @@ struct GatewayCharge {
     amount: i64,
     customer_id: String,
     ride_id: Option<String>,
+    request: Option<String>,
 }
 
 /// Runs every check. `pool` reaches the run's database (the service's tables and the gateway's
@@ -110,17 +117,26 @@ pub(crate) async fn audit(
     logs: &[RequestLog],
     before: &Snapshot,
     process_exits: u64,
+    refused_users: &HashSet<i64>,
 ) -> anyhow::Result<Vec<InvariantResult>> {
     let rides: Vec<Ride> = sqlx::query_as(
-        "SELECT r.id, r.user_id, k.idempotency_key AS key, r.amount_cents, r.charge_id, r.status,
-                u.stripe_customer_id AS customer
+        "SELECT r.id, r.user_id, k.idempotency_key AS key, k.request_uuid::text AS request,
+                k.response_status, r.amount_cents, r.charge_id, r.status,
+                u.stripe_customer_id AS customer,
+                EXISTS (SELECT 1 FROM audit_records a
+                        WHERE a.user_id = r.user_id AND a.resource_type = 'ride'
+                          AND a.resource_id = r.id AND a.action = 'ride.charged'
+                          AND (a.data->>'adopted')::boolean) AS adopted
          FROM rides r JOIN users u ON u.id = r.user_id
          LEFT JOIN idempotency_keys k ON k.id = r.idempotency_key_id",
     )
     .fetch_all(pool)
     .await?;
+    // Succeeded charges only: money moved. (The run makes no pending charges.)
     let charges: Vec<GatewayCharge> = sqlx::query_as(
-        "SELECT id, amount, customer_id, metadata->>'ride_id' AS ride_id FROM fakestripe.charges",
+        "SELECT id, amount, customer_id, metadata->>'ride_id' AS ride_id,
+                metadata->>'rocket_rides_request' AS request
+         FROM fakestripe.charges WHERE status = 'succeeded'",
     )
     .fetch_all(pool)
     .await?;
@@ -238,13 +254,11 @@ pub(crate) async fn audit(
     // 4. Replays are exact.
     let mut replays = Check::new(
         "replays_equal_first_answer",
-        "every later final answer (201, 402) for a key repeats the first one's status, body \
-         bytes, Location and Content-Type, marked Idempotent-Replayed",
+        "every later final answer (201, 402, 502 refused) for a key repeats the first one's \
+         status, body bytes, Location and Content-Type, marked Idempotent-Replayed",
     );
     for log in logs {
-        let finals: Vec<&Answer> = all_answers(log)
-            .filter(|a| matches!(a.status, Some(201 | 402)))
-            .collect();
+        let finals: Vec<&Answer> = all_answers(log).filter(|a| is_final(a)).collect();
         let Some(first) = finals.first() else {
             continue;
         };
@@ -292,26 +306,23 @@ pub(crate) async fn audit(
     for log in logs {
         let answer = log.late.clone().unwrap_or_default();
         let existed = before.keys.contains(&(log.user.id, log.key.clone()));
-        late.expect(
-            matches!(answer.status, Some(201 | 402)) && (answer.replayed || !existed),
-            || {
-                format!(
-                    "key {}: late answer {:?}, replayed: {}",
-                    log.key, answer.status, answer.replayed
-                )
-            },
-        );
+        late.expect(is_final(&answer) && (answer.replayed || !existed), || {
+            format!(
+                "key {}: late answer {:?}, replayed: {}",
+                log.key, answer.status, answer.replayed
+            )
+        });
     }
 
     let mut unexpected = Check::new(
         "no_unexpected_answer",
-        "during the run every answer was final (201, 402) or asked for a retry (409, 500, 503, \
-         no answer), and no API or worker process died other than by the harness's hand",
+        "during the run every answer was final (201, 402, 502 refused) or asked for a retry (409, \
+         500, 503, no answer), and no API or worker process died other than by the harness's hand",
     );
     for log in logs {
         for answer in &log.answers {
             unexpected.expect(
-                matches!(answer.status, None | Some(201 | 402 | 409 | 500 | 503)),
+                is_final(answer) || matches!(answer.status, None | Some(409 | 500 | 503)),
                 || format!("key {}: unexpected {:?}", log.key, answer.status),
             );
         }
@@ -350,7 +361,8 @@ pub(crate) async fn audit(
     let mut declines = Check::new(
         "declines_follow_the_card",
         "rides of declining cards are declined and charged nothing; rides of good cards are not \
-         declined; every 402 was for a declining card",
+         declined; every 402 was for a declining card (a user whose customer the gateway came to \
+         refuse may also have failed rides)",
     );
     for ride in &rides {
         let expected = if declining.contains(&ride.user_id) {
@@ -358,7 +370,8 @@ pub(crate) async fn audit(
         } else {
             "paid"
         };
-        declines.expect(ride.status == expected, || {
+        let refused = refused_users.contains(&ride.user_id) && ride.status == "failed";
+        declines.expect(ride.status == expected || refused, || {
             format!(
                 "ride {} of user {} is {}, expected {expected}",
                 ride.id, ride.user_id, ride.status
@@ -376,6 +389,81 @@ pub(crate) async fn audit(
         }
     }
 
+    // Refusals: the gateway's permanent no finishes the request, with no money moved.
+    let mut refusals = Check::new(
+        "refused_keys_finish_with_502_and_no_charge",
+        "every failed ride belongs to a user whose customer the gateway refuses, has no gateway \
+         charge and its key finished with a 502; every 502 answer was for such a user's failed \
+         ride",
+    );
+    let charged_requests: HashSet<&str> = charges
+        .iter()
+        .filter_map(|c| c.request.as_deref())
+        .collect();
+    for ride in rides.iter().filter(|r| r.status == "failed") {
+        let charged = ride
+            .request
+            .as_deref()
+            .is_some_and(|r| charged_requests.contains(r))
+            || charges_per_ride.contains_key(ride.id.to_string().as_str());
+        refusals.expect(
+            refused_users.contains(&ride.user_id) && !charged && ride.response_status == Some(502),
+            || {
+                format!(
+                    "ride {} of user {} failed (refused user: {}, charged: {charged}, key status \
+                     {:?})",
+                    ride.id,
+                    ride.user_id,
+                    refused_users.contains(&ride.user_id),
+                    ride.response_status
+                )
+            },
+        );
+    }
+    let rides_by_key: HashMap<(i64, &str), &Ride> = rides
+        .iter()
+        .filter_map(|r| Some(((r.user_id, r.key.as_deref()?), r)))
+        .collect();
+    for log in logs {
+        for answer in all_answers(log).filter(|a| a.status == Some(502)) {
+            let ride = rides_by_key.get(&(log.user.id, log.key.as_str()));
+            refusals.expect(
+                is_payment_refused(answer)
+                    && refused_users.contains(&log.user.id)
+                    && ride.is_some_and(|r| r.status == "failed"),
+                || format!("key {} (user {}): a 502 {answer:?}", log.key, log.user.id),
+            );
+        }
+    }
+
+    // Adoption: a charge found by listing is the one the request made, and its only one.
+    let mut adopted = Check::new(
+        "adopted_charge_is_the_rides_one_charge",
+        "every charge a ride adopted from a reconciling list names the ride's own request in its \
+         metadata and is the only charge that does",
+    );
+    let mut charges_per_request: HashMap<&str, u64> = HashMap::new();
+    for request in charges.iter().filter_map(|c| c.request.as_deref()) {
+        *charges_per_request.entry(request).or_default() += 1;
+    }
+    for ride in rides.iter().filter(|r| r.adopted) {
+        let charge = ride
+            .charge_id
+            .as_deref()
+            .and_then(|id| charges_by_id.get(id));
+        let holds = charge.is_some_and(|c| c.request.is_some() && c.request == ride.request)
+            && ride
+                .request
+                .as_deref()
+                .is_some_and(|r| charges_per_request.get(r) == Some(&1));
+        adopted.expect(holds, || {
+            format!(
+                "ride {} adopted charge {:?}, which does not name its request alone",
+                ride.id, ride.charge_id
+            )
+        });
+    }
+
     Ok([
         one_ride,
         one_charge,
@@ -388,10 +476,17 @@ pub(crate) async fn audit(
         unexpected,
         one_receipt,
         declines,
+        refusals,
+        adopted,
     ]
     .into_iter()
     .map(Check::result)
     .collect())
+}
+
+/// A final answer: a ride (201), a decline (402) or the gateway's stored refusal (502).
+fn is_final(answer: &Answer) -> bool {
+    matches!(answer.status, Some(201 | 402)) || is_payment_refused(answer)
 }
 
 /// Every answer a request got: during the run, then the late one.

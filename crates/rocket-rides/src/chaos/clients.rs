@@ -26,7 +26,7 @@ pub(crate) struct Answer {
     /// `None`: no HTTP answer (connection refused, reset, timed out, body cut off).
     pub status: Option<u16>,
     pub replayed: bool,
-    /// What a replay must repeat; kept for final answers (201, 402) only.
+    /// What a replay must repeat; kept for final answers (201, 402, 502) only.
     pub body: Option<Vec<u8>>,
     pub location: Option<String>,
     pub content_type: Option<String>,
@@ -152,9 +152,11 @@ async fn one_request(
         );
         let status = answer.status;
         log.answers.push(answer);
+        // Final answers, and client errors that no retry can change. A 502 is final only as
+        // the service's stored refusal (payment-refused); another 502 (a proxy's) invites a retry.
+        let refused = status == Some(502) && log.answers.last().is_some_and(is_payment_refused);
         match status {
-            // Final answers, and client errors that no retry can change.
-            Some(s) if !matches!(s, 409 | 500..=599) => {
+            Some(s) if refused || !matches!(s, 409 | 500..=599) => {
                 log.final_status = Some(s);
                 break;
             }
@@ -209,7 +211,7 @@ async fn send(
         .map(Duration::from_secs);
     match response.bytes().await {
         Ok(bytes) => {
-            let body = matches!(status, 201 | 402).then(|| bytes.to_vec());
+            let body = matches!(status, 201 | 402 | 502).then(|| bytes.to_vec());
             (
                 Answer {
                     status: Some(status),
@@ -266,4 +268,14 @@ pub(crate) async fn verify(plan: &ClientPlan, logs: &mut [RequestLog]) {
         logs[i].late = Some(late);
         logs[i].swapped = swapped;
     }
+}
+
+/// Whether an answer is the service's stored refusal of a payment (502 `payment-refused`).
+pub(crate) fn is_payment_refused(answer: &Answer) -> bool {
+    answer.status == Some(502)
+        && answer
+            .body
+            .as_deref()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
+            .is_some_and(|b| b["type"] == crate::problem::types::PAYMENT_REFUSED)
 }

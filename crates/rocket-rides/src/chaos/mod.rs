@@ -24,7 +24,7 @@ pub mod proxy;
 mod recorder;
 pub mod report;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -120,6 +120,14 @@ const LEASE_TTL: &str = "8s";
 const GATEWAY_TIMEOUT: &str = "2s";
 const GATEWAY_CONNECT_TIMEOUT: &str = "500ms";
 const LEASE_HEARTBEAT: &str = "3s";
+/// How long the services trust a gateway key: short, so that keys left unfinished by crashes and
+/// given-up clients are resumed past it and reconciled within the run.
+const GATEWAY_KEY_WINDOW: &str = "5s";
+/// How long the run's gateway remembers a finished key: longer than the services' window plus
+/// their gateway timeout (2 s), as Stripe's 24 hours are longer than the default 23 h window.
+const GATEWAY_KEY_TTL: Duration = Duration::from_secs(10);
+/// How often the gateway forgets the keys past their TTL.
+const GATEWAY_FORGET_EVERY: Duration = Duration::from_secs(2);
 /// The completer's grace: above the lease TTL, as the worker requires.
 const COMPLETER_GRACE: &str = "9s";
 /// How long the calm final pass may take to finish every key before the audit says so.
@@ -179,6 +187,8 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         fail_after_charge: 0.03,
         drop_after_charge: 0.03,
         conflict_in_flight: 0.02,
+        sticky_500_before_charge: 0.01,
+        sticky_500_after_charge: 0.01,
         seed: Some(rng.random()),
         ..fakestripe::Faults::none()
     };
@@ -219,6 +229,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         GATEWAY_SECRET,
         Duration::from_secs(2),
         Duration::from_secs(10),
+        None,
     )?;
     gateway.set_faults(fakestripe::Faults::default());
     let mut users = Vec::new();
@@ -244,8 +255,11 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
 
     // The API processes and the worker: this binary, with failpoints compiled in.
     let program = std::env::current_exe().context("locate this binary")?;
-    let crash_spec = "after_ride_created=0.004,after_gateway_charge=0.004,\
-                      after_charge_created=0.004,after_finished=0.004,after_receipt_effect=0.004";
+    // A new key generation is rare (a reconciliation that found nothing), so its point is
+    // armed more often than the others.
+    let crash_spec = "after_ride_created=0.004,after_new_generation=0.05,\
+                      after_gateway_charge=0.004,after_charge_created=0.004,after_finished=0.004,\
+                      after_receipt_effect=0.004";
     let mut env = vec![
         ("DATABASE_URL".to_owned(), database_url.clone()),
         (
@@ -260,6 +274,10 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             GATEWAY_CONNECT_TIMEOUT.to_owned(),
         ),
         ("LEASE_HEARTBEAT".to_owned(), LEASE_HEARTBEAT.to_owned()),
+        (
+            "GATEWAY_KEY_WINDOW".to_owned(),
+            GATEWAY_KEY_WINDOW.to_owned(),
+        ),
         ("SHUTDOWN_DEADLINE".to_owned(), "1s".to_owned()),
         ("DATABASE_MAX_CONNECTIONS".to_owned(), "10".to_owned()),
         ("RUST_LOG".to_owned(), "warn".to_owned()),
@@ -349,10 +367,78 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     let worker = Supervised::start(worker_args(crash_env(rng.random())), recorder.clone());
     wait_until_serving(&targets).await?;
 
-    // Killers and the sampler of the gateway's and proxies' fault counters.
+    // Killers, the gateway's own faults over time, and the sampler of the gateway's and
+    // proxies' fault counters.
     let stop = Arc::new(AtomicBool::new(false));
-    let apis = Arc::new(apis);
     let mut background = tokio::task::JoinSet::new();
+    let done = Arc::new(AtomicU64::new(0));
+    let refused_users = Arc::new(std::sync::Mutex::new(HashSet::new()));
+    if on(FaultFamily::Gateway) {
+        // The gateway forgets finished keys past their TTL, as Stripe does after 24 hours; it
+        // counts as the fault only while keys of the service are left unfinished.
+        let (forgetter, stopped, recorded, db) = (
+            gateway.clone(),
+            stop.clone(),
+            recorder.clone(),
+            pool.clone(),
+        );
+        background.spawn(async move {
+            let (gateway, stop, recorder, pool) = (forgetter, stopped, recorded, db);
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(GATEWAY_FORGET_EVERY).await;
+                let unfinished: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0);
+                if let Ok(forgotten) = gateway.forget_keys(GATEWAY_KEY_TTL).await {
+                    if forgotten > 0 && unfinished > 0 {
+                        recorder.fault("gateway_forget_keys", forgotten);
+                    }
+                }
+            }
+        });
+        // Permanent refusals: a good card's customer is deleted at the gateway a third of the
+        // way into the run, so that its later charges are refused for good.
+        let good: Vec<&ClientUser> = users.iter().filter(|u| !u.declines).collect();
+        if good.len() > 1 {
+            let victim = good[rng.random_range(0..good.len())].id;
+            let customer: String =
+                sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
+                    .bind(victim)
+                    .fetch_one(&pool)
+                    .await?;
+            let (done, stop, refused_users) = (done.clone(), stop.clone(), refused_users.clone());
+            let (total, url) = (
+                args.requests,
+                format!("http://{gateway_addr}/v1/customers/{customer}"),
+            );
+            background.spawn(async move {
+                while !stop.load(Ordering::Relaxed) && done.load(Ordering::Relaxed) < total / 3 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                // Counted as refused before the call: a refusal answered meanwhile is then
+                // already explained.
+                refused_users
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(victim);
+                let deleted = reqwest::Client::new()
+                    .delete(url)
+                    .bearer_auth(GATEWAY_SECRET)
+                    .send()
+                    .await;
+                if !deleted.is_ok_and(|r| r.status().is_success()) {
+                    eprintln!("chaos: could not delete the customer of user {victim}");
+                }
+            });
+        }
+    }
+    let apis = Arc::new(apis);
     if on(FaultFamily::Kill) {
         let (apis, stop, mut rng) = (
             apis.clone(),
@@ -437,6 +523,13 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                     "gateway_conflict",
                     now.conflict_in_flight - last_gateway.conflict_in_flight,
                 );
+                recorder.fault(
+                    "gateway_sticky_500",
+                    (now.sticky_500_before_charge + now.sticky_500_after_charge)
+                        - (last_gateway.sticky_500_before_charge
+                            + last_gateway.sticky_500_after_charge),
+                );
+                recorder.fault("gateway_refuse", now.refused - last_gateway.refused);
                 last_gateway = now;
                 let mut network = proxy::ProxyCounters::default();
                 for counters in proxies.iter().map(|p| p.counters()) {
@@ -468,7 +561,6 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         attempt_timeout: Duration::from_secs(5),
         give_up_after: args.give_up_after,
     });
-    let done = Arc::new(AtomicU64::new(0));
     let progress = {
         let (done, recorder, total) = (done.clone(), recorder.clone(), args.requests);
         tokio::spawn(async move {
@@ -565,7 +657,11 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
 
     // The audit and the report.
     let process_exits = recorder.unexpected_exits();
-    let invariants = audit::audit(&pool, &logs, &before, process_exits).await?;
+    let refused_users = refused_users
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let invariants = audit::audit(&pool, &logs, &before, process_exits, &refused_users).await?;
     let passed = invariants.iter().all(|i| i.passed);
     let mut outcomes = BTreeMap::new();
     for log in &logs {

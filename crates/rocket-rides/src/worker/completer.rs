@@ -116,6 +116,8 @@ async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<Ride
         }
         Err(
             e @ (BookingError::GatewayUnavailable(_)
+            | BookingError::GatewayMisconfigured(_)
+            | BookingError::PaymentPending(_)
             | BookingError::Internal(_)
             | BookingError::GivenUp
             | BookingError::Crashed(_)),

@@ -31,7 +31,7 @@ pub struct TestApp {
 }
 
 /// A started server's address and the sender that stops it.
-async fn spawn(router: axum::Router) -> (String, oneshot::Sender<()>) {
+pub async fn spawn(router: axum::Router) -> (String, oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -39,6 +39,74 @@ async fn spawn(router: axum::Router) -> (String, oneshot::Sender<()>) {
         let _ = stopped.await;
     }));
     (format!("http://{addr}"), stop)
+}
+
+/// A started HTTPS gateway's address and the sender that stops it.
+async fn spawn_tls(
+    router: axum::Router,
+    config: Arc<rustls::ServerConfig>,
+) -> (String, oneshot::Sender<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(fakestripe::serve_tls(
+        listener,
+        router,
+        config,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    (format!("https://{addr}"), stop)
+}
+
+/// A private CA and a certificate for 127.0.0.1 signed by it, written as PEM files into a
+/// directory of the test's own; and a second, unrelated CA.
+pub struct TestPki {
+    pub dir: std::path::PathBuf,
+    /// The CA that signed the server's certificate.
+    pub ca_file: std::path::PathBuf,
+    /// A CA that signed nothing here.
+    pub other_ca_file: std::path::PathBuf,
+    pub server: Arc<rustls::ServerConfig>,
+}
+
+impl TestPki {
+    pub fn new(name: &str) -> Self {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+        let dir = std::env::temp_dir().join(format!("rocket-rides-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = || {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+        };
+        let (ca, other) = (ca(), ca());
+        let key = KeyPair::generate().unwrap();
+        let leaf = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .unwrap()
+            .signed_by(&key, &ca)
+            .unwrap();
+        let file = |name: &str, pem: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, pem).unwrap();
+            path
+        };
+        let cert = file("cert.pem", leaf.pem());
+        let key = file("key.pem", key.serialize_pem());
+        Self {
+            ca_file: file("ca.pem", ca.pem()),
+            other_ca_file: file("other-ca.pem", other.pem()),
+            server: fakestripe::server_config(&cert, &key).unwrap(),
+            dir,
+        }
+    }
+}
+
+impl Drop for TestPki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// The URL of the database behind `pool`: the server of DATABASE_URL, the test's database.
@@ -79,13 +147,26 @@ impl TestApp {
 
     pub async fn start_with_lease(
         pool: PgPool,
+        gateway_args: GatewayArgs,
+        lease: LeaseArgs,
+    ) -> Self {
+        Self::start_full(pool, gateway_args, lease, None).await
+    }
+
+    /// Starts both servers; with `tls`, fakestripe serves HTTPS with that configuration.
+    pub async fn start_full(
+        pool: PgPool,
         mut gateway_args: GatewayArgs,
         lease: LeaseArgs,
+        tls: Option<Arc<rustls::ServerConfig>>,
     ) -> Self {
         rocket_rides::db::migrate(&pool).await.unwrap();
         let gateway_pool = fakestripe::connect(&url_of(&pool).await).await.unwrap();
         let gateway = fakestripe::AppState::new(gateway_pool, Faults::default());
-        let (gateway_base, stop_gateway) = spawn(fakestripe::router(gateway.clone())).await;
+        let (gateway_base, stop_gateway) = match tls {
+            None => spawn(fakestripe::router(gateway.clone())).await,
+            Some(config) => spawn_tls(fakestripe::router(gateway.clone()), config).await,
+        };
 
         gateway_args.stripe_api_base = gateway_base;
         let clock = ManualClock::starting_now();
@@ -237,6 +318,23 @@ impl TestApp {
             tokio::time::sleep(Duration::from_secs(after)).await;
         }
         panic!("no final answer for key {key}");
+    }
+
+    /// The value of one sample of `GET /metrics`, such as
+    /// `gateway_reconciliations_total{outcome="adopted"}`; 0 when absent.
+    pub async fn metric(&self, sample: &str) -> f64 {
+        let text = self
+            .http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|line| line.strip_prefix(sample)?.strip_prefix(' '))
+            .map_or(0.0, |v| v.parse().unwrap())
     }
 
     /// The recovery point of the only key of this user.
