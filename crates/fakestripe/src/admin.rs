@@ -17,8 +17,8 @@ use axum::{Json, Router};
 use http::StatusCode;
 use serde_json::json;
 
-use crate::app::AppState;
 use crate::faults::{FaultCounters, Faults};
+use crate::state::AppState;
 
 /// The admin router.
 pub fn admin_router(state: AppState) -> Router {

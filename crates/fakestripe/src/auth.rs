@@ -12,7 +12,7 @@ use http::request::Parts;
 use http::HeaderMap;
 
 use crate::api_error::ApiError;
-use crate::app::AppState;
+use crate::state::AppState;
 use crate::{db, messages};
 
 /// The prefix of every accepted key: the fake has test mode only.

@@ -10,17 +10,16 @@ use axum::response::{IntoResponse, Response};
 use http::HeaderMap;
 use http_body_util::{Full, Limited};
 use serde_json::{json, Value};
-use time::OffsetDateTime;
 
 use crate::api_error::ApiError;
-use crate::app::{run_detached, AppState};
 use crate::auth::Account;
-use crate::customers::MAX_DESCRIPTION_LEN;
 use crate::db::{self, Cursor, NewCharge, Page};
 use crate::faults::{AfterCharge, FaultKind, Stored};
 use crate::idempotent::{self, Begun, Operation};
 use crate::messages;
+use crate::model::{Charge, MAX_DESCRIPTION_LEN};
 use crate::params::{self, FormBody, QueryParams};
+use crate::state::{run_detached, AppState};
 
 /// The route, as the idempotency key's scope and fingerprint name it.
 pub(crate) const ROUTE: &str = "/v1/charges";
@@ -36,61 +35,6 @@ pub(crate) const DEFAULT_LIMIT: i64 = 10;
 
 /// The largest `limit`.
 pub(crate) const MAX_LIMIT: i64 = 100;
-
-/// A charge, as stored. Serialized by [`Charge::to_json`] as Stripe's charge object.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Charge {
-    /// `ch_…`.
-    pub id: String,
-    /// The account (secret key) that made it.
-    pub account_id: i64,
-    /// The customer charged, `cus_…`.
-    pub customer: String,
-    /// In the currency's smallest unit.
-    pub amount: i64,
-    /// Three lowercase letters.
-    pub currency: String,
-    /// Free text, if given.
-    pub description: Option<String>,
-    /// String values under string keys.
-    pub metadata: Value,
-    /// `succeeded`, `pending` (settles later) or `failed` (a pending charge that was declined).
-    /// A charge declined at once is not stored: its 402 is kept with its key instead.
-    pub status: String,
-    /// Why a `failed` charge failed (`card_declined`).
-    pub failure_code: Option<String>,
-    /// The human message of a `failed` charge.
-    pub failure_message: Option<String>,
-    /// The idempotency key whose request made it, while that key is kept.
-    pub idempotency_key_id: Option<i64>,
-    /// When it was committed.
-    pub created: OffsetDateTime,
-}
-
-impl Charge {
-    /// Stripe's charge object.
-    pub fn to_json(&self) -> Value {
-        json!({
-            "id": self.id,
-            "object": "charge",
-            "amount": self.amount,
-            "amount_captured": self.amount,
-            "amount_refunded": 0,
-            "captured": true,
-            "created": self.created.unix_timestamp(),
-            "currency": self.currency,
-            "customer": self.customer,
-            "description": self.description,
-            "failure_code": self.failure_code,
-            "failure_message": self.failure_message,
-            "livemode": false,
-            "metadata": self.metadata,
-            "paid": self.status == "succeeded",
-            "refunded": false,
-            "status": self.status,
-        })
-    }
-}
 
 /// `POST /v1/charges` (`amount`, `currency`, `customer`, `description`, `metadata[…]`).
 ///

@@ -6,82 +6,22 @@
 use axum::extract::{Path, State};
 use axum::response::Response;
 use http::HeaderMap;
-use serde_json::{json, Value};
-use time::OffsetDateTime;
+use serde_json::Value;
 
 use crate::api_error::ApiError;
-use crate::app::{run_detached, AppState};
 use crate::auth::Account;
 use crate::db::{self, NewCustomer};
 use crate::faults::Stored;
 use crate::idempotent::{self, Begun, Operation};
+use crate::model::{Customer, Source, MAX_DESCRIPTION_LEN};
 use crate::params::{self, FormBody};
+use crate::state::{run_detached, AppState};
 
 /// The route, as the idempotency key's scope and fingerprint name it.
 pub(crate) const ROUTE: &str = "/v1/customers";
 
 /// The longest email accepted, as Stripe allows.
 pub(crate) const MAX_EMAIL_LEN: usize = 512;
-
-/// The longest description accepted.
-pub(crate) const MAX_DESCRIPTION_LEN: usize = 1000;
-
-/// The test tokens a customer's `source` may be.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Source {
-    /// `tok_visa`: every charge succeeds.
-    Visa,
-    /// `tok_chargeCustomerFail`: the card attaches, every charge is declined.
-    ChargeCustomerFail,
-}
-
-impl Source {
-    /// The token, as sent and stored.
-    pub(crate) fn token(self) -> &'static str {
-        match self {
-            Source::Visa => "tok_visa",
-            Source::ChargeCustomerFail => "tok_chargeCustomerFail",
-        }
-    }
-
-    /// The source of a token, if the gateway knows it.
-    pub(crate) fn from_token(token: &str) -> Option<Self> {
-        [Source::Visa, Source::ChargeCustomerFail]
-            .into_iter()
-            .find(|s| s.token() == token)
-    }
-}
-
-/// A customer row.
-#[derive(Debug, Clone)]
-pub(crate) struct Customer {
-    pub(crate) id: String,
-    pub(crate) email: Option<String>,
-    pub(crate) description: Option<String>,
-    pub(crate) source: Option<Source>,
-    pub(crate) metadata: Value,
-    /// Deleted (`DELETE /v1/customers/{id}`): kept for its charges, refused for new ones.
-    pub(crate) deleted: bool,
-    pub(crate) created: OffsetDateTime,
-}
-
-impl Customer {
-    /// Stripe's customer object; a deleted customer is only its id, as Stripe shows it.
-    pub(crate) fn to_json(&self) -> Value {
-        if self.deleted {
-            return deleted_json(&self.id);
-        }
-        json!({
-            "id": self.id,
-            "object": "customer",
-            "created": self.created.unix_timestamp(),
-            "description": self.description,
-            "email": self.email,
-            "livemode": false,
-            "metadata": self.metadata,
-        })
-    }
-}
 
 /// `POST /v1/customers` (`email`, `description`, `source`, `metadata[…]`).
 pub(crate) async fn create(
@@ -161,12 +101,8 @@ pub(crate) async fn delete(
 ) -> Result<axum::Json<Value>, ApiError> {
     if db::delete_customer(state.pool(), account.id, &id).await? {
         tracing::info!(customer = %id, "customer deleted");
-        Ok(axum::Json(deleted_json(&id)))
+        Ok(axum::Json(Customer::deleted_json(&id)))
     } else {
         Err(ApiError::not_found("customer", &id))
     }
-}
-
-fn deleted_json(id: &str) -> Value {
-    json!({"id": id, "object": "customer", "deleted": true})
 }

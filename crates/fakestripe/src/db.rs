@@ -10,8 +10,7 @@ use sqlx::types::Json;
 use sqlx::{Connection, PgConnection, PgPool, Row};
 use time::OffsetDateTime;
 
-use crate::charges::Charge;
-use crate::customers::{Customer, Source};
+use crate::model::{Charge, Customer, Source};
 use crate::{ids, Error};
 
 /// The schema that holds every fakestripe table, the idempotency keys included.

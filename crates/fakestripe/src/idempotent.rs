@@ -36,10 +36,10 @@ use serde_json::Value;
 use sqlx::PgConnection;
 
 use crate::api_error::ApiError;
-use crate::app::AppState;
-use crate::customers::Source;
 use crate::db::{self, NewCharge, NewCustomer};
 use crate::faults::{FaultKind, Stored};
+use crate::model::Source;
+use crate::state::AppState;
 use crate::Error;
 
 /// The request header, as Stripe names it.

@@ -13,10 +13,12 @@
 //! | the secret key and its account | `auth.rs` |
 //! | Stripe's error object and messages | `api_error.rs`, [`messages`] |
 //! | idempotency keys (claim, atomic phase, replay) | `idempotent.rs` |
-//! | customers, charges and list pagination | `customers.rs`, `charges.rs` |
+//! | charges and customers as Stripe shows them | `model.rs` |
+//! | the customer and charge endpoints, list pagination | `customers.rs`, `charges.rs` |
 //! | injected faults | `faults.rs` |
 //! | every SQL statement, the schema and migrations | `db.rs`, `migrations/` |
-//! | state, routers and the server | `app.rs`, `admin.rs` |
+//! | the shared state, the gateway's key retention | `state.rs` |
+//! | the routers and the server, on top | `app.rs`, `admin.rs` |
 //! | HTTPS with rustls | `tls.rs` |
 //!
 //! # Endpoints
@@ -55,19 +57,20 @@ mod form;
 mod idempotent;
 mod ids;
 pub mod messages;
+mod model;
 mod params;
+mod state;
 mod tls;
 
 pub use admin::admin_router;
-pub use app::{
-    forget_expired_keys, router, serve, AppState, DEFAULT_IDEMPOTENCY_KEY_TTL, LEASE_TTL,
-    REQUEST_ID,
-};
-pub use charges::{Charge, MAX_AMOUNT, MIN_USD_AMOUNT};
+pub use app::{router, serve, REQUEST_ID};
+pub use charges::{MAX_AMOUNT, MIN_USD_AMOUNT};
 pub use db::{
     all_charges, charge_by_id, charges_of_customer, connect, connect_with, count_charges, migrate,
     SCHEMA,
 };
 pub use error::Error;
 pub use faults::{FaultCounters, Faults, InvalidFaults, MAX_LATENCY_MS};
+pub use model::Charge;
+pub use state::{forget_expired_keys, AppState, DEFAULT_IDEMPOTENCY_KEY_TTL, LEASE_TTL};
 pub use tls::{serve_tls, server_config, HANDSHAKE_TIMEOUT};

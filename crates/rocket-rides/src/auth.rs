@@ -5,8 +5,8 @@ use http::request::Parts;
 use rand::TryRngCore;
 use sha2::{Digest, Sha256};
 
-use crate::app::AppState;
 use crate::problem::ApiError;
+use crate::state::AppState;
 
 /// Prefix of every API key, so a leaked key is recognisable in logs and scanners.
 pub const API_KEY_PREFIX: &str = "rr_test_";

@@ -41,10 +41,10 @@ use serde_json::json;
 use sqlx::PgConnection;
 use time::OffsetDateTime;
 
-use crate::app::AppState;
 use crate::metrics::{ChargeOutcome, Reconciliation};
 use crate::problem::types;
-use crate::rides::{RideRequest, RideView};
+use crate::ride::{RideRequest, RideView};
+use crate::state::AppState;
 use crate::stripe::{Charge, ChargeError, NewCharge, REQUEST_METADATA};
 
 /// How far before the recorded first attempt a reconciling list starts: the gateway stamps
@@ -135,7 +135,7 @@ fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> BookingError {
 
 /// Stops here if a test armed this crash point.
 fn crash_point(state: &AppState, point: &'static str) -> Result<(), BookingError> {
-    if crate::failpoints::hit(state, point) {
+    if crate::failpoints::hit(&state.failpoints, point) {
         return Err(BookingError::Crashed(point));
     }
     Ok(())
@@ -298,7 +298,7 @@ async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
             target.generation = next_generation(state, lease, &target).await?;
             crash_point(state, crate::failpoints::AFTER_NEW_GENERATION)?;
         }
-        let key = if crate::failpoints::fresh_gateway_key(state) {
+        let key = if state.failpoints.fresh_gateway_key() {
             // The chaos harness's negative control: the bug this whole design exists to prevent.
             format!(
                 "{}:attempt-{}",

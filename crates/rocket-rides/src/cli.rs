@@ -10,7 +10,6 @@ use idempotency::{DatabaseClock, KeyFilter, Store};
 use crate::app::{self, AppState};
 use crate::config::{GatewayArgs, LeaseArgs, ShutdownArgs, WorkerArgs};
 use crate::shutdown::{os_signal, Shutdown, HARD_STOP_MARGIN};
-use crate::stripe::StripeClient;
 
 /// Rocket Rides: book a ride and charge a card, effectively once.
 #[derive(Debug, Parser)]
@@ -146,7 +145,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             crate::config::validate(&gateway, &LeaseArgs::default()).map_err(anyhow::Error::msg)?;
             let pool = connect(&db, 2).await?;
-            let stripe = StripeClient::from_args(&gateway)?;
+            let stripe = gateway.client()?;
             let user = crate::users::create_user(&pool, &stripe, &email, &card).await?;
             println!("{}", serde_json::to_string(&user)?);
         }

@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::stripe::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_GATEWAY_TIMEOUT};
+use crate::stripe::{ClientError, StripeClient, DEFAULT_CONNECT_TIMEOUT, DEFAULT_GATEWAY_TIMEOUT};
+
+/// The largest request body accepted; a ride request is about 120 bytes.
+pub const MAX_BODY_BYTES: usize = 16 * 1024;
 
 /// How much longer than the gateway timeout the lease must be: the time of the phase that records
 /// the charge after the call returns, with room for a slow database.
@@ -41,6 +44,35 @@ pub struct GatewayArgs {
     /// Stripe keeps keys for 24 h; keep this below that by more than the gateway timeout.
     #[arg(long, env = "GATEWAY_KEY_WINDOW", value_parser = parse_duration, default_value = "23h")]
     pub gateway_key_window: Duration,
+}
+
+impl GatewayArgs {
+    /// The gateway client these settings describe: reads `--stripe-ca-file` if given.
+    pub fn client(&self) -> Result<StripeClient, ClientError> {
+        let pem = match &self.stripe_ca_file {
+            None => None,
+            Some(path) => {
+                let ca_error = |why: String| ClientError::CaFile {
+                    path: path.display().to_string(),
+                    why,
+                };
+                let pem = std::fs::read(path).map_err(|e| ca_error(e.to_string()))?;
+                let found = reqwest::Certificate::from_pem_bundle(&pem)
+                    .map_err(|e| ca_error(format!("not a PEM bundle: {e}")))?;
+                if found.is_empty() {
+                    return Err(ca_error("holds no PEM certificate".into()));
+                }
+                Some(pem)
+            }
+        };
+        Ok(StripeClient::new(
+            &self.stripe_api_base,
+            &self.stripe_api_key,
+            self.gateway_connect_timeout,
+            self.gateway_timeout,
+            pem.as_deref(),
+        )?)
+    }
 }
 
 /// How long Stripe keeps an idempotency key: it may forget it once it is 24 hours old.

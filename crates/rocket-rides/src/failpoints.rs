@@ -198,30 +198,42 @@ mod armed {
     }
 }
 
+#[cfg(not(feature = "failpoints"))]
+pub use disarmed::Failpoints;
+
+/// A build without the `failpoints` feature: nothing can be armed, nothing is read from the
+/// environment, and every question answers "no".
+#[cfg(not(feature = "failpoints"))]
+mod disarmed {
+    /// No crash points and no sabotage.
+    #[derive(Debug, Clone, Default)]
+    pub struct Failpoints;
+
+    impl Failpoints {
+        /// Nothing to read: the environment cannot switch anything on in this build.
+        pub fn from_env() -> Result<Self, String> {
+            Ok(Self)
+        }
+
+        /// Never crashes.
+        pub fn maybe_crash(&self, _point: &'static str) {}
+
+        /// Never armed.
+        pub fn fire(&self, _point: &'static str) -> bool {
+            false
+        }
+
+        /// Never sabotaged.
+        pub fn fresh_gateway_key(&self) -> bool {
+            false
+        }
+    }
+}
+
 /// Whether the request or job passing `point` must stop here as if the process died (a test
 /// armed it). A configured crash exits the process instead of returning. Always false in builds
 /// without the `failpoints` feature.
-#[cfg(feature = "failpoints")]
-pub(crate) fn hit(state: &crate::app::AppState, point: &'static str) -> bool {
-    state.failpoints.maybe_crash(point);
-    state.failpoints.fire(point)
-}
-
-/// Whether the request or job passing `point` must stop here as if the process died. Always
-/// false in builds without the `failpoints` feature.
-#[cfg(not(feature = "failpoints"))]
-pub(crate) fn hit(_state: &crate::app::AppState, _point: &'static str) -> bool {
-    false
-}
-
-/// Whether the gateway key must be fresh per attempt (the chaos harness's negative control).
-#[cfg(feature = "failpoints")]
-pub(crate) fn fresh_gateway_key(state: &crate::app::AppState) -> bool {
-    state.failpoints.fresh_gateway_key()
-}
-
-/// Always false in builds without the `failpoints` feature.
-#[cfg(not(feature = "failpoints"))]
-pub(crate) fn fresh_gateway_key(_state: &crate::app::AppState) -> bool {
-    false
+pub(crate) fn hit(failpoints: &Failpoints, point: &'static str) -> bool {
+    failpoints.maybe_crash(point);
+    failpoints.fire(point)
 }

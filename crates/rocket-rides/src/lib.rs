@@ -2,16 +2,22 @@
 //!
 //! | concern | file |
 //! |---|---|
-//! | the phase machine of `POST /rides` | [`booking`] |
-//! | request validation, ride view, handlers | [`rides`] |
+//! | the phase machine of `POST /rides`, the gateway key and reconciliation | [`booking`] |
+//! | the ride: request validation, the ride as the API shows it | [`ride`] |
+//! | the shared state | [`state`] |
+//! | HTTP handlers: rides, operations | [`handlers`] |
+//! | routes and serving, on top | [`app`] |
 //! | API keys | [`auth`] |
 //! | the Stripe client and its error classes | [`stripe`] |
 //! | errors as problem+json | [`problem`] |
 //! | settings and their relations | [`config`] |
-//! | routes, state, serving | [`app`] |
-//! | `GET /metrics`, `GET /openapi.json` | [`metrics`], [`openapi`] |
+//! | counters and histograms, the OpenAPI document | [`metrics`], [`openapi`] |
 //! | graceful shutdown in two steps | [`shutdown`] |
 //! | completer, reaper, outbox drain | [`worker`] |
+//!
+//! Imports run one way: settings, errors, the gateway client and the ride model at the bottom;
+//! the state above them; the booking and the worker above the state; the handlers above those;
+//! the router and the command line on top.
 
 pub mod app;
 pub mod auth;
@@ -22,11 +28,13 @@ pub mod cli;
 pub mod config;
 pub mod db;
 pub mod failpoints;
+pub mod handlers;
 pub mod metrics;
 pub mod openapi;
 pub mod problem;
-pub mod rides;
+pub mod ride;
 pub mod shutdown;
+pub mod state;
 pub mod stripe;
 pub mod users;
 pub mod worker;

@@ -9,12 +9,6 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use axum::extract::{MatchedPath, Request, State};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
-
-use crate::app::AppState;
-
 /// The media type of the text exposition format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -106,6 +100,21 @@ struct Counters {
     keys_reaped: AtomicU64,
 }
 
+/// What the completer did with a key, in the order of [`COMPLETER_OUTCOMES`].
+#[derive(Debug, Clone, Copy)]
+pub enum CompleterOutcome {
+    /// Claimed.
+    Claimed,
+    /// Driven to a final state.
+    Finished,
+    /// Released with a backoff after a failed attempt.
+    Retried,
+    /// Its lease was taken over during the attempt.
+    Lost,
+    /// Its recovery point is unknown to this build.
+    Undecodable,
+}
+
 /// The labels of `completer_keys_total`.
 const COMPLETER_OUTCOMES: [&str; 5] = ["claimed", "finished", "retried", "lost", "undecodable"];
 
@@ -135,17 +144,10 @@ impl Metrics {
         self.0.leases_lost.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts one completer pass.
-    pub fn completer_pass(&self, report: &crate::worker::completer::Report) {
-        let counts = [
-            report.claimed,
-            report.finished,
-            report.retried,
-            report.lost,
-            report.undecodable,
-        ];
-        for (counter, n) in self.0.completer.iter().zip(counts) {
-            counter.fetch_add(n as u64, Ordering::Relaxed);
+    /// Counts one completer pass: how many keys had each outcome.
+    pub fn completer_pass(&self, counts: [(CompleterOutcome, usize); 5]) {
+        for (outcome, n) in counts {
+            self.0.completer[outcome as usize].fetch_add(n as u64, Ordering::Relaxed);
         }
     }
 
@@ -159,7 +161,8 @@ impl Metrics {
         self.0.keys_reaped.fetch_add(n, Ordering::Relaxed);
     }
 
-    fn http(&self, method: &str, route: &str, status: u16) {
+    /// Counts one answered request, by method, route template and status.
+    pub fn http(&self, method: &str, route: &str, status: u16) {
         let mut http = self.0.http.lock().unwrap_or_else(|e| e.into_inner());
         *http
             .entry((method.to_owned(), route.to_owned(), status))
@@ -251,39 +254,6 @@ impl Metrics {
         }
         out
     }
-}
-
-/// Middleware: counts every answered request by its route template (never the raw path, whose
-/// ids would make the label set unbounded).
-pub async fn count_requests(
-    State(state): State<AppState>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let method = request.method().as_str().to_owned();
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
-    let response = next.run(request).await;
-    state
-        .metrics
-        .http(&method, &route, response.status().as_u16());
-    response
-}
-
-/// `GET /metrics`.
-pub async fn scrape(State(state): State<AppState>) -> impl IntoResponse {
-    let unfinished: Option<i64> =
-        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL")
-            .fetch_one(&state.pool)
-            .await
-            .inspect_err(|e| tracing::warn!(error = %e, "metrics: cannot count unfinished keys"))
-            .ok();
-    (
-        [(http::header::CONTENT_TYPE, CONTENT_TYPE)],
-        state.metrics.render(unfinished),
-    )
 }
 
 #[cfg(test)]

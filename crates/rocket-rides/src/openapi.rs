@@ -3,12 +3,10 @@
 //! Written by hand from the same constants the handlers use (bounds, problem types), so that a
 //! bound changed in code changes here too; a test checks the document against the router.
 
-use axum::response::IntoResponse;
-use axum::Json;
 use serde_json::{json, Value};
 
 use crate::problem::types;
-use crate::rides::{MAX_AMOUNT_CENTS, MIN_AMOUNT_CENTS};
+use crate::ride::{MAX_AMOUNT_CENTS, MIN_AMOUNT_CENTS};
 
 /// The document.
 pub fn spec() -> Value {
@@ -119,9 +117,4 @@ pub fn spec() -> Value {
             "/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {"200": {"description": "OpenAPI 3.1."}}}}
         }
     })
-}
-
-/// `GET /openapi.json`.
-pub async fn document() -> impl IntoResponse {
-    Json(spec())
 }

@@ -10,7 +10,7 @@ use http::StatusCode;
 use idempotency_axum::Problem;
 use serde_json::json;
 
-use crate::rides::FieldError;
+use crate::ride::FieldError;
 
 /// The stable `type` of each problem the service answers with (the idempotency ones come from
 /// [`idempotency_axum::problem::types`]).
@@ -111,7 +111,7 @@ impl IntoResponse for ApiError {
             )
             .with_detail(format!(
                 "the request body is larger than {} bytes",
-                crate::app::MAX_BODY_BYTES
+                crate::config::MAX_BODY_BYTES
             )),
             Self::Validation(errors) => {
                 let names: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();

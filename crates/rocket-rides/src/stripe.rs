@@ -219,33 +219,6 @@ impl StripeClient {
         })
     }
 
-    /// A client from the command line's settings: reads `--stripe-ca-file` if given.
-    pub fn from_args(args: &crate::config::GatewayArgs) -> Result<Self, ClientError> {
-        let pem = match &args.stripe_ca_file {
-            None => None,
-            Some(path) => {
-                let ca_error = |why: String| ClientError::CaFile {
-                    path: path.display().to_string(),
-                    why,
-                };
-                let pem = std::fs::read(path).map_err(|e| ca_error(e.to_string()))?;
-                let found = reqwest::Certificate::from_pem_bundle(&pem)
-                    .map_err(|e| ca_error(format!("not a PEM bundle: {e}")))?;
-                if found.is_empty() {
-                    return Err(ca_error("holds no PEM certificate".into()));
-                }
-                Some(pem)
-            }
-        };
-        Ok(Self::new(
-            &args.stripe_api_base,
-            &args.stripe_api_key,
-            args.gateway_connect_timeout,
-            args.gateway_timeout,
-            pem.as_deref(),
-        )?)
-    }
-
     /// The API base URL.
     pub fn base(&self) -> &str {
         &self.base

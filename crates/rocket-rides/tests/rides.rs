@@ -555,8 +555,8 @@ async fn the_openapi_document_describes_the_routes_the_server_has(pool: PgPool) 
     let doc = app.get("unused", "/openapi.json").await.json();
     assert_eq!(doc["openapi"], "3.1.0");
     let amount = &doc["components"]["schemas"]["RideRequest"]["properties"]["amount_cents"];
-    assert_eq!(amount["minimum"], rocket_rides::rides::MIN_AMOUNT_CENTS);
-    assert_eq!(amount["maximum"], rocket_rides::rides::MAX_AMOUNT_CENTS);
+    assert_eq!(amount["minimum"], rocket_rides::ride::MIN_AMOUNT_CENTS);
+    assert_eq!(amount["maximum"], rocket_rides::ride::MAX_AMOUNT_CENTS);
     let paths = doc["paths"].as_object().unwrap();
     assert_eq!(paths.len(), 6);
     for (path, operations) in paths {
@@ -585,7 +585,7 @@ async fn the_openapi_document_describes_the_routes_the_server_has(pool: PgPool) 
 #[sqlx::test(migrations = false)]
 async fn an_oversized_body_is_a_413_problem_and_writes_no_key(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
-    let padding = " ".repeat(rocket_rides::app::MAX_BODY_BYTES);
+    let padding = " ".repeat(rocket_rides::config::MAX_BODY_BYTES);
     let reply = app
         .post_ride(Some(&api_key), Some("k-1"), &format!("{RIDE}{padding}"))
         .await;

@@ -10,10 +10,11 @@ use std::time::Duration;
 use idempotency::Lease;
 use tokio::task::JoinSet;
 
-use crate::app::AppState;
 use crate::booking::{self, BookingError, RidePoint};
 use crate::config::WorkerArgs;
-use crate::rides::RIDES_ROUTE;
+use crate::metrics::CompleterOutcome;
+use crate::ride::RIDES_ROUTE;
+use crate::state::AppState;
 
 /// What one pass did, for logs and tests.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -86,7 +87,13 @@ pub async fn run_once(
     if report.claimed > 0 {
         tracing::info!(?report, "completer pass");
     }
-    state.metrics.completer_pass(&report);
+    state.metrics.completer_pass([
+        (CompleterOutcome::Claimed, report.claimed),
+        (CompleterOutcome::Finished, report.finished),
+        (CompleterOutcome::Retried, report.retried),
+        (CompleterOutcome::Lost, report.lost),
+        (CompleterOutcome::Undecodable, report.undecodable),
+    ]);
     Ok(report)
 }
 

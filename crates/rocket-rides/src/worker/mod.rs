@@ -14,9 +14,9 @@ pub mod reaper;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::app::AppState;
 use crate::config::WorkerArgs;
 use crate::shutdown::Signal;
+use crate::state::AppState;
 
 /// Why a worker pass failed.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@
 
 use serde::Deserialize;
 
-use crate::app::AppState;
+use crate::state::AppState;
 
 /// The job a finished ride stages.
 pub const SEND_RIDE_RECEIPT: &str = "send_ride_receipt";
@@ -98,7 +98,7 @@ pub async fn run_once(state: &AppState, batch: i64) -> Result<usize, DrainError>
 
 fn crash_point(state: &AppState) -> Result<(), DrainError> {
     let point = crate::failpoints::AFTER_RECEIPT_EFFECT;
-    if crate::failpoints::hit(state, point) {
+    if crate::failpoints::hit(&state.failpoints, point) {
         return Err(DrainError::Crashed(point));
     }
     Ok(())

@@ -4,8 +4,8 @@
 //! than the retention gets a second ride. Stripe documents the same for its 24-hour window; keep
 //! the retention longer than any client retries.
 
-use crate::app::AppState;
 use crate::config::WorkerArgs;
+use crate::state::AppState;
 
 /// Deletes batches until one comes back short; returns how many keys were deleted.
 pub async fn run_once(state: &AppState, settings: &WorkerArgs) -> Result<u64, idempotency::Error> {

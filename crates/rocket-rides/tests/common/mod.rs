@@ -251,9 +251,9 @@ impl TestApp {
     ) -> idempotency::Claim<rocket_rides::booking::RidePoint> {
         let key = idempotency::IdempotencyKey::parse(key.as_bytes()).unwrap();
         let body: Value = serde_json::from_str(RIDE).unwrap();
-        let request = rocket_rides::rides::RideRequest::validate(&body).unwrap();
+        let request = rocket_rides::ride::RideRequest::validate(&body).unwrap();
         let params = serde_json::to_value(request).unwrap();
-        let route = rocket_rides::rides::RIDES_ROUTE;
+        let route = rocket_rides::ride::RIDES_ROUTE;
         self.state
             .store
             .claim(idempotency::NewRequest {

@@ -1,0 +1,261 @@
+//! Maintenance: the completer's claim of abandoned keys and its backoff, the reaper, and the
+//! operator's inspection.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use sqlx::postgres::PgRow;
+use sqlx::types::Json;
+use sqlx::Row;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::model::{lease_from_row, Lease, RecoveryPoint, Store};
+use crate::Error;
+
+impl Store {
+    /// Acquires up to `limit` keys of one route (`method`, `route`) that their requests
+    /// abandoned: unfinished, lease free or expired, last attempted more than `grace` ago (or
+    /// already worked by a completer), and past their backoff. This is how a completer claims; each returned lease has a fresh
+    /// fencing token, exactly as a request's claim would. A row whose recovery point the
+    /// application does not know comes back as an error in its place (its lease expires on its
+    /// own), so one bad row cannot stop the others.
+    ///
+    /// `FOR UPDATE SKIP LOCKED` lets several completers run at once without waiting on each
+    /// other or taking the same key: a row locked by one is skipped by the others, and a row
+    /// whose lease a request takes meanwhile no longer matches when re-checked under the lock.
+    pub async fn claim_abandoned<P: RecoveryPoint>(
+        &self,
+        method: &str,
+        route: &str,
+        grace: Duration,
+        limit: i64,
+    ) -> Result<Vec<Result<Lease<P>, Error>>, Error> {
+        let rows = sqlx::query(
+            r#"
+            WITH abandoned AS (
+                SELECT id FROM idempotency_keys
+                WHERE finished_at IS NULL
+                  AND request_method = $5 AND request_path = $6
+                  AND (locked_until IS NULL OR locked_until <= coalesce($1::timestamptz, now()))
+                  -- The grace, from the last attempt, protects a client still retrying its own
+                  -- key; once a completer has worked the key, only its backoff applies.
+                  AND (completer_attempts > 0
+                       OR last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
+                  AND (next_attempt_at IS NULL OR next_attempt_at <= coalesce($1::timestamptz, now()))
+                ORDER BY last_run_at
+                LIMIT $3
+                FOR UPDATE SKIP LOCKED
+            )
+            UPDATE idempotency_keys k
+            SET lease_token        = k.lease_token + 1,
+                attempts           = k.attempts + 1,
+                completer_attempts = k.completer_attempts + 1,
+                locked_until       = coalesce($1::timestamptz, now()) + $4 * interval '1 millisecond',
+                last_run_at        = coalesce($1::timestamptz, now())
+            FROM abandoned
+            WHERE k.id = abandoned.id
+            RETURNING k.id, k.request_uuid, k.user_id, k.lease_token, k.attempts,
+                      k.completer_attempts, k.recovery_point, k.request_params, k.locked_until
+            "#,
+        )
+        .bind(self.now())
+        .bind(grace.as_millis().min(i64::MAX as u128) as i64)
+        .bind(limit.clamp(1, 10_000))
+        .bind(self.ttl_millis())
+        .bind(method)
+        .bind(route)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(Error::db(format!("claim abandoned keys of {method} {route}")))?;
+        Ok(rows
+            .iter()
+            .map(|row| lease_from_row(row, row.get("user_id")))
+            .collect())
+    }
+
+    /// Gives the lease up after a failed completer attempt and keeps completers away from the
+    /// key for `backoff`. A client's own retry may still claim it at any time.
+    pub async fn release_with_backoff<P: RecoveryPoint>(
+        &self,
+        lease: Lease<P>,
+        backoff: Duration,
+    ) -> Result<(), Error> {
+        let released = sqlx::query(
+            r#"
+            UPDATE idempotency_keys
+            SET locked_until = NULL,
+                next_attempt_at = coalesce($4::timestamptz, now()) + $5 * interval '1 millisecond'
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            "#,
+        )
+        .bind(lease.key_id)
+        .bind(lease.user_id)
+        .bind(lease.token)
+        .bind(self.now())
+        .bind(backoff.as_millis().min(i64::MAX as u128) as i64)
+        .execute(&self.pool)
+        .await
+        .map_err(Error::db(format!(
+            "release lease of key {} with backoff",
+            lease.key_id
+        )))?;
+        if released.rows_affected() == 0 {
+            return Err(Error::LeaseLost {
+                key_id: lease.key_id,
+                token: lease.token,
+            });
+        }
+        Ok(())
+    }
+
+    /// Deletes up to `limit` keys that finished more than `retention` ago; returns how many.
+    ///
+    /// Unfinished keys are never touched, whatever their age: they still owe a result. Each call
+    /// is one short statement, so a reaper that loops over batches holds no long locks; rows that
+    /// another transaction has locked are skipped until the next pass.
+    pub async fn reap_finished(&self, retention: Duration, limit: i64) -> Result<u64, Error> {
+        let deleted = sqlx::query(
+            r#"
+            DELETE FROM idempotency_keys
+            WHERE id IN (
+                SELECT id FROM idempotency_keys
+                WHERE finished_at IS NOT NULL
+                  AND finished_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
+                ORDER BY finished_at
+                LIMIT $3
+                FOR UPDATE SKIP LOCKED
+            )
+            "#,
+        )
+        .bind(self.now())
+        .bind(retention.as_millis().min(i64::MAX as u128) as i64)
+        .bind(limit.clamp(1, 100_000))
+        .execute(&self.pool)
+        .await
+        .map_err(Error::db("reap finished keys"))?;
+        Ok(deleted.rows_affected())
+    }
+
+    /// Reads one key by id, for an operator's inspection (`keys show`) and tests. Unlike the
+    /// request path, this look-up crosses users.
+    pub async fn find(&self, key_id: i64) -> Result<Option<KeyRecord>, Error> {
+        let row = sqlx::query(&format!(
+            "SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys WHERE id = $1"
+        ))
+        .bind(key_id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(Error::db(format!("read key {key_id}")))?;
+        row.map(|row| KeyRecord::from_row(&row)).transpose()
+    }
+
+    /// Lists keys, newest first: all of them, the unfinished ones, or those finished with one
+    /// status (a 502 the gateway's refusal left, say).
+    pub async fn list(&self, filter: KeyFilter, limit: i64) -> Result<Vec<KeyRecord>, Error> {
+        // One statement per filter rather than `… OR NOT $1` clauses, which no index serves.
+        let (clause, status) = match filter {
+            KeyFilter::All => ("", None),
+            KeyFilter::Unfinished => ("WHERE finished_at IS NULL", None),
+            KeyFilter::FinishedWith(status) => ("WHERE response_status = $2", Some(status)),
+        };
+        let rows = sqlx::query(&format!(
+            "SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys {clause} ORDER BY id DESC LIMIT $1"
+        ))
+        .bind(limit.clamp(1, 10_000))
+        .bind(status.map(|s| s as i16))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(Error::db("list keys"))?;
+        rows.iter().map(KeyRecord::from_row).collect()
+    }
+}
+
+/// Which keys [`Store::list`] shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyFilter {
+    /// Every key.
+    All,
+    /// Keys that have not finished: in flight, or waiting for a retry or the completer.
+    Unfinished,
+    /// Keys finished with this stored status.
+    FinishedWith(u16),
+}
+
+/// A key row as inspection tools show it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KeyRecord {
+    /// Row id.
+    pub id: i64,
+    /// The request's random identifier, from which foreign keys are derived.
+    pub request_uuid: Uuid,
+    /// Owner.
+    pub user_id: i64,
+    /// HTTP method.
+    pub request_method: String,
+    /// Route template.
+    pub request_path: String,
+    /// The client's key.
+    pub idempotency_key: String,
+    /// Last committed phase.
+    pub recovery_point: String,
+    /// End of the current lease, if any.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub locked_until: Option<OffsetDateTime>,
+    /// Current fencing token.
+    pub lease_token: i64,
+    /// Acquisitions so far.
+    pub attempts: i32,
+    /// Acquisitions by a completer.
+    pub completer_attempts: i32,
+    /// The completer leaves the key alone until then.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub next_attempt_at: Option<OffsetDateTime>,
+    /// Stored status, once finished.
+    pub response_status: Option<i16>,
+    /// The stored request parameters.
+    pub request_params: Value,
+    /// First claim.
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    /// Completion.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub finished_at: Option<OffsetDateTime>,
+}
+
+const KEY_RECORD_COLUMNS: &str =
+    "id, request_uuid, user_id, request_method, request_path, idempotency_key, \
+    recovery_point, locked_until, lease_token, attempts, completer_attempts, next_attempt_at, \
+    response_status, \
+    request_params, created_at, finished_at";
+
+impl KeyRecord {
+    fn from_row(row: &PgRow) -> Result<Self, Error> {
+        let id: i64 = row.get("id");
+        let get = |e: sqlx::Error| Error::Database {
+            context: format!("decode key {id}"),
+            source: e,
+        };
+        Ok(Self {
+            id,
+            request_uuid: row.try_get("request_uuid").map_err(get)?,
+            user_id: row.try_get("user_id").map_err(get)?,
+            request_method: row.try_get("request_method").map_err(get)?,
+            request_path: row.try_get("request_path").map_err(get)?,
+            idempotency_key: row.try_get("idempotency_key").map_err(get)?,
+            recovery_point: row.try_get("recovery_point").map_err(get)?,
+            locked_until: row.try_get("locked_until").map_err(get)?,
+            lease_token: row.try_get("lease_token").map_err(get)?,
+            attempts: row.try_get("attempts").map_err(get)?,
+            completer_attempts: row.try_get("completer_attempts").map_err(get)?,
+            next_attempt_at: row.try_get("next_attempt_at").map_err(get)?,
+            response_status: row.try_get("response_status").map_err(get)?,
+            request_params: row
+                .try_get::<Json<Value>, _>("request_params")
+                .map_err(get)?
+                .0,
+            created_at: row.try_get("created_at").map_err(get)?,
+            finished_at: row.try_get("finished_at").map_err(get)?,
+        })
+    }
+}

@@ -1,0 +1,269 @@
+//! The store and what it hands out: the key, the lease and the claim's outcome, and the
+//! application's recovery points.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use sqlx::postgres::{PgPool, PgRow};
+use sqlx::types::Json;
+use sqlx::Row;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::{Clock, Error, Fingerprint, IdempotencyKey, StoredResponse};
+
+/// The lease time-to-live when none is configured.
+///
+/// A holder that dies keeps its key locked this long, so retries get 409 until then; a holder that
+/// lives must finish each phase (or renew) within it. It must stay larger than the longest foreign
+/// call made between two phases (the gateway timeout) plus the time of one phase.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
+
+/// A named stage of an application's request, stored as text in `recovery_point`.
+///
+/// Implement it for an enum whose variants are the application's recovery points. `STARTED` is
+/// written when a key is first claimed, `FINISHED` when its response is stored.
+pub trait RecoveryPoint: Copy + Eq + std::fmt::Debug + Send + Sync + 'static {
+    /// The point of a key that has just been inserted.
+    const STARTED: Self;
+    /// The point of a key whose response is stored.
+    const FINISHED: Self;
+    /// The stored name (at most 64 characters).
+    fn name(self) -> &'static str;
+    /// Parses a stored name.
+    fn from_name(name: &str) -> Option<Self>;
+}
+
+/// The recovery points of a request with a single phase: just claimed, or finished. A key found
+/// `Started` by a later claim is one whose phase never committed; it runs again from the start.
+/// (A request with several effects defines its own points, one per committed step.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OneStep {
+    /// Claimed; nothing committed yet.
+    Started,
+    /// The response is stored.
+    Finished,
+}
+
+impl RecoveryPoint for OneStep {
+    const STARTED: Self = Self::Started;
+    const FINISHED: Self = Self::Finished;
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Finished => "finished",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        [Self::Started, Self::Finished]
+            .into_iter()
+            .find(|p| p.name() == name)
+    }
+}
+
+/// What a claim attempt is about.
+#[derive(Debug, Clone, Copy)]
+pub struct NewRequest<'a> {
+    /// The owner of the key: keys of different users never meet.
+    pub user_id: i64,
+    /// The HTTP method, `POST`.
+    pub method: &'a str,
+    /// The route template, `/rides`.
+    pub route: &'a str,
+    /// The client's key.
+    pub key: &'a IdempotencyKey,
+    /// The fingerprint of method, route and body.
+    pub fingerprint: Fingerprint,
+    /// The parameters a completer needs to finish the request alone.
+    pub params: &'a Value,
+}
+
+/// The outcome of a claim.
+#[derive(Debug)]
+pub enum Claim<P> {
+    /// The caller holds the lease and must run the request from `lease.recovery_point()`.
+    Acquired(Lease<P>),
+    /// The key finished earlier with the same payload: answer with this response.
+    Replay(StoredResponse),
+    /// The key was used with another payload.
+    Mismatch,
+    /// Another holder has the lease for `retry_after` more.
+    InFlight {
+        /// Time left on the other holder's lease, rounded up to whole seconds (at least one).
+        retry_after: Duration,
+    },
+}
+
+/// A held lease on one key row: the right to run its next phases, fenced by `token`.
+///
+/// Dropping it without finishing or releasing leaves the key locked until the lease expires.
+#[derive(Debug)]
+#[must_use = "a dropped lease blocks its key until the lease expires: finish or release it"]
+pub struct Lease<P> {
+    pub(super) key_id: i64,
+    pub(super) request_uuid: Uuid,
+    pub(super) user_id: i64,
+    pub(super) token: i64,
+    pub(super) attempts: i32,
+    pub(super) completer_attempts: i32,
+    pub(super) recovery_point: P,
+    pub(super) params: Value,
+    pub(super) locked_until: OffsetDateTime,
+}
+
+impl<P: RecoveryPoint> Lease<P> {
+    /// The key row's id, stable for the key's life. It comes from a sequence of this database:
+    /// use it for the application's own rows (a foreign key to the key row), and
+    /// [`Lease::request_uuid`] for anything another system sees.
+    pub fn key_id(&self) -> i64 {
+        self.key_id
+    }
+
+    /// A random identifier made when the key row was inserted, stable for the key's life and
+    /// unique across databases: derive foreign idempotency keys from it, and name the request
+    /// with it in foreign systems, so that two databases on one gateway account never share a
+    /// foreign key.
+    pub fn request_uuid(&self) -> Uuid {
+        self.request_uuid
+    }
+
+    /// The owner of the key.
+    pub fn user_id(&self) -> i64 {
+        self.user_id
+    }
+
+    /// The fencing token this holder acquired.
+    pub fn token(&self) -> i64 {
+        self.token
+    }
+
+    /// How many times the key's lease has been acquired, this time included.
+    pub fn attempts(&self) -> i32 {
+        self.attempts
+    }
+
+    /// How many of those acquisitions were a completer's (its backoff doubles with them).
+    pub fn completer_attempts(&self) -> i32 {
+        self.completer_attempts
+    }
+
+    /// The last committed phase: where to resume.
+    pub fn recovery_point(&self) -> P {
+        self.recovery_point
+    }
+
+    /// The parameters stored with the first claim.
+    pub fn params(&self) -> &Value {
+        &self.params
+    }
+
+    /// When the lease ends unless a phase or a renewal extends it.
+    pub fn locked_until(&self) -> OffsetDateTime {
+        self.locked_until
+    }
+}
+
+/// The key store. Cheap to clone; clones share the pool and the clock.
+#[derive(Clone)]
+pub struct Store {
+    pub(super) pool: PgPool,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) lease_ttl: Duration,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("lease_ttl", &self.lease_ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// A store over `pool`, with `clock` for lease arithmetic and leases of `lease_ttl`.
+    pub fn new(pool: PgPool, clock: Arc<dyn Clock>, lease_ttl: Duration) -> Result<Self, Error> {
+        if lease_ttl < Duration::from_secs(1) || lease_ttl > Duration::from_secs(3600) {
+            return Err(Error::InvalidConfig(format!(
+                "lease TTL must be between 1 s and 1 h, got {lease_ttl:?}"
+            )));
+        }
+        Ok(Self {
+            pool,
+            clock,
+            lease_ttl,
+        })
+    }
+
+    /// The pool the store writes through; the application's phase writes share its transactions.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The configured lease TTL.
+    pub fn lease_ttl(&self) -> Duration {
+        self.lease_ttl
+    }
+
+    /// The injected time, for the application's own statements that compare against "now"
+    /// (`coalesce($n::timestamptz, now())`): `None` in production, where the database decides.
+    pub fn now(&self) -> Option<OffsetDateTime> {
+        self.clock.now()
+    }
+
+    pub(crate) fn ttl_millis(&self) -> i64 {
+        // Bounded to one hour by `new`, so it fits.
+        self.lease_ttl.as_millis() as i64
+    }
+}
+
+pub(crate) fn lease_from_row<P: RecoveryPoint>(
+    row: &PgRow,
+    user_id: i64,
+) -> Result<Lease<P>, Error> {
+    let key_id: i64 = row.get("id");
+    let point: String = row.get("recovery_point");
+    let recovery_point =
+        P::from_name(&point).ok_or(Error::UnknownRecoveryPoint { key_id, point })?;
+    Ok(Lease {
+        key_id,
+        request_uuid: row.get("request_uuid"),
+        user_id,
+        token: row.get("lease_token"),
+        attempts: row.get("attempts"),
+        completer_attempts: row.get("completer_attempts"),
+        recovery_point,
+        params: row.get::<Json<Value>, _>("request_params").0,
+        locked_until: row.get("locked_until"),
+    })
+}
+
+pub(crate) fn stored_response(row: &PgRow, key_id: i64) -> Result<StoredResponse, Error> {
+    let status: Option<i16> = row.get("response_status");
+    let headers: Option<Json<Vec<(String, String)>>> =
+        row.try_get("response_headers")
+            .map_err(|_| Error::Corrupt {
+                key_id,
+                what: "response_headers",
+            })?;
+    let body: Option<Vec<u8>> = row.get("response_body");
+    match (status, headers, body) {
+        (Some(status), Some(Json(headers)), Some(body)) => {
+            let status = u16::try_from(status).map_err(|_| Error::Corrupt {
+                key_id,
+                what: "response_status",
+            })?;
+            Ok(StoredResponse {
+                status,
+                headers,
+                body,
+            })
+        }
+        _ => Err(Error::Corrupt {
+            key_id,
+            what: "stored response",
+        }),
+    }
+}

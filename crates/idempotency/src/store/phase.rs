@@ -1,0 +1,267 @@
+//! Phases and the lease: the fenced update that opens every phase, the final phase that stores
+//! the response, renewal, release, and abandoning a key that must leave no trace.
+
+use sqlx::types::Json;
+use sqlx::{PgConnection, Postgres, Transaction};
+use time::OffsetDateTime;
+
+use super::model::{Lease, RecoveryPoint, Store};
+use crate::{Error, StoredResponse};
+
+impl Store {
+    /// Opens a phase that moves the key to recovery point `to` when it commits.
+    ///
+    /// The fenced update runs first; on [`Error::LeaseLost`] nothing was written. Write the
+    /// phase's business rows through [`Phase::conn`], then [`Phase::commit`].
+    pub async fn phase<'l, P: RecoveryPoint>(
+        &self,
+        lease: &'l mut Lease<P>,
+        to: P,
+    ) -> Result<Phase<'l, P>, Error> {
+        if to == P::FINISHED || to == P::STARTED {
+            return Err(Error::InvalidTransition {
+                key_id: lease.key_id,
+                to: to.name(),
+            });
+        }
+        let (tx, locked_until) = self.fence(lease, to.name()).await?;
+        Ok(Phase {
+            tx,
+            lease,
+            to,
+            locked_until,
+        })
+    }
+
+    /// Opens the phase that stores the final response and releases the lease.
+    pub async fn final_phase<'l, P: RecoveryPoint>(
+        &self,
+        lease: &'l mut Lease<P>,
+    ) -> Result<FinalPhase<'l, P>, Error> {
+        let current = lease.recovery_point.name();
+        let (tx, _) = self.fence(lease, current).await?;
+        Ok(FinalPhase {
+            tx,
+            lease,
+            now: self.now(),
+        })
+    }
+
+    /// Begins a transaction and runs the fenced update that must open every phase.
+    async fn fence<P: RecoveryPoint>(
+        &self,
+        lease: &Lease<P>,
+        point: &str,
+    ) -> Result<(Transaction<'static, Postgres>, OffsetDateTime), Error> {
+        let context = || format!("open phase {point} of key {}", lease.key_id);
+        let mut tx = self.pool.begin().await.map_err(Error::db(context()))?;
+        // The lease is extended too: making progress is a sign of life.
+        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(
+            r#"
+            UPDATE idempotency_keys
+            SET recovery_point = $4,
+                locked_until   = coalesce($5::timestamptz, now()) + $6 * interval '1 millisecond',
+                last_run_at    = coalesce($5::timestamptz, now())
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            RETURNING locked_until
+            "#,
+        )
+        .bind(lease.key_id)
+        .bind(lease.user_id)
+        .bind(lease.token)
+        .bind(point)
+        .bind(self.now())
+        .bind(self.ttl_millis())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(Error::db(context()))?;
+        match locked_until {
+            Some(until) => Ok((tx, until)),
+            // Dropping `tx` rolls it back; nothing was written.
+            None => Err(Error::LeaseLost {
+                key_id: lease.key_id,
+                token: lease.token,
+            }),
+        }
+    }
+
+    /// Extends a held lease by one TTL from now (a heartbeat during a long foreign call).
+    pub async fn renew<P: RecoveryPoint>(&self, lease: &mut Lease<P>) -> Result<(), Error> {
+        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(
+            r#"
+            UPDATE idempotency_keys
+            SET locked_until = coalesce($4::timestamptz, now()) + $5 * interval '1 millisecond'
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            RETURNING locked_until
+            "#,
+        )
+        .bind(lease.key_id)
+        .bind(lease.user_id)
+        .bind(lease.token)
+        .bind(self.now())
+        .bind(self.ttl_millis())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(Error::db(format!("renew lease of key {}", lease.key_id)))?;
+        match locked_until {
+            Some(until) => {
+                lease.locked_until = until;
+                Ok(())
+            }
+            None => Err(Error::LeaseLost {
+                key_id: lease.key_id,
+                token: lease.token,
+            }),
+        }
+    }
+
+    /// Gives the lease up after a transient failure, keeping the recovery point, so that a retry
+    /// or the completer can resume at once instead of waiting for the lease to expire.
+    pub async fn release<P: RecoveryPoint>(&self, lease: Lease<P>) -> Result<(), Error> {
+        let released = sqlx::query(
+            r#"
+            UPDATE idempotency_keys
+            SET locked_until = NULL
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            "#,
+        )
+        .bind(lease.key_id)
+        .bind(lease.user_id)
+        .bind(lease.token)
+        .execute(&self.pool)
+        .await
+        .map_err(Error::db(format!("release lease of key {}", lease.key_id)))?;
+        if released.rows_affected() == 0 {
+            return Err(Error::LeaseLost {
+                key_id: lease.key_id,
+                token: lease.token,
+            });
+        }
+        Ok(())
+    }
+
+    /// Deletes the key of a request that turned out to be one the application refuses without
+    /// an outcome to keep (a 400 found only after the claim, say), so that the key is as if it
+    /// had never been sent: a later request may use it again, with any payload. Fenced like a
+    /// release; a finished key is never deleted.
+    ///
+    /// Delete only a key that has written nothing: rows referencing it keep it alive (their
+    /// foreign keys refuse the delete) and the store's error says so.
+    pub async fn abandon<P: RecoveryPoint>(&self, lease: Lease<P>) -> Result<(), Error> {
+        let deleted = sqlx::query(
+            r#"
+            DELETE FROM idempotency_keys
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            "#,
+        )
+        .bind(lease.key_id)
+        .bind(lease.user_id)
+        .bind(lease.token)
+        .execute(&self.pool)
+        .await
+        .map_err(Error::db(format!("abandon key {}", lease.key_id)))?;
+        if deleted.rows_affected() == 0 {
+            return Err(Error::LeaseLost {
+                key_id: lease.key_id,
+                token: lease.token,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// An open phase: a transaction whose first statement won the fence.
+///
+/// Dropping it without [`Phase::commit`] rolls back everything written through it.
+#[derive(Debug)]
+pub struct Phase<'l, P: RecoveryPoint> {
+    tx: Transaction<'static, Postgres>,
+    lease: &'l mut Lease<P>,
+    to: P,
+    locked_until: OffsetDateTime,
+}
+
+impl<P: RecoveryPoint> Phase<'_, P> {
+    /// The transaction's connection, for the phase's business writes.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+
+    /// The key row being worked.
+    pub fn key_id(&self) -> i64 {
+        self.lease.key_id
+    }
+
+    /// Commits the phase: its writes and the new recovery point become visible together.
+    pub async fn commit(self) -> Result<(), Error> {
+        let key_id = self.lease.key_id;
+        self.tx.commit().await.map_err(Error::db(format!(
+            "commit phase {} of key {key_id}",
+            self.to.name()
+        )))?;
+        self.lease.recovery_point = self.to;
+        self.lease.locked_until = self.locked_until;
+        Ok(())
+    }
+}
+
+/// The last phase of a request: its writes, the stored response and the lease release commit
+/// together.
+#[derive(Debug)]
+pub struct FinalPhase<'l, P: RecoveryPoint> {
+    tx: Transaction<'static, Postgres>,
+    lease: &'l mut Lease<P>,
+    now: Option<OffsetDateTime>,
+}
+
+impl<P: RecoveryPoint> FinalPhase<'_, P> {
+    /// The transaction's connection, for the phase's business writes.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+
+    /// The key row being worked.
+    pub fn key_id(&self) -> i64 {
+        self.lease.key_id
+    }
+
+    /// Stores `response`, marks the key finished, releases the lease and commits.
+    pub async fn finish(mut self, response: &StoredResponse) -> Result<(), Error> {
+        let key_id = self.lease.key_id;
+        let context = || format!("finish key {key_id}");
+        // The row is locked by this transaction's fenced update, so no token check is needed
+        // again; it is kept anyway so that this statement is safe on its own.
+        let finished = sqlx::query(
+            r#"
+            UPDATE idempotency_keys
+            SET recovery_point   = $4,
+                response_status  = $5,
+                response_headers = $6,
+                response_body    = $7,
+                locked_until     = NULL,
+                finished_at      = coalesce($8::timestamptz, now())
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3
+            "#,
+        )
+        .bind(key_id)
+        .bind(self.lease.user_id)
+        .bind(self.lease.token)
+        .bind(P::FINISHED.name())
+        .bind(response.status as i16)
+        .bind(Json(&response.headers))
+        .bind(&response.body)
+        .bind(self.now)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(Error::db(context()))?;
+        if finished.rows_affected() == 0 {
+            return Err(Error::LeaseLost {
+                key_id,
+                token: self.lease.token,
+            });
+        }
+        self.tx.commit().await.map_err(Error::db(context()))?;
+        self.lease.recovery_point = P::FINISHED;
+        Ok(())
+    }
+}

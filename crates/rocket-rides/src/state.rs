@@ -1,0 +1,72 @@
+//! The service's shared state: what every handler, the booking and the worker need.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency::{Clock, Store};
+use sqlx::PgPool;
+
+use crate::config::{GatewayArgs, LeaseArgs};
+use crate::failpoints::Failpoints;
+use crate::metrics::Metrics;
+use crate::shutdown::Signal;
+use crate::stripe::StripeClient;
+
+/// Why the service's state could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A setting, or a relation between settings, does not hold.
+    #[error("invalid settings: {0}")]
+    Settings(String),
+    /// The key store refused its configuration.
+    #[error(transparent)]
+    Store(#[from] idempotency::Error),
+    /// The gateway client could not be built.
+    #[error(transparent)]
+    Gateway(#[from] crate::stripe::ClientError),
+}
+
+/// Everything a handler needs. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    /// The database.
+    pub pool: PgPool,
+    /// The idempotency key store, over the same pool.
+    pub store: Store,
+    /// The payment gateway.
+    pub stripe: StripeClient,
+    /// How often a request renews its lease while it waits on the gateway.
+    pub heartbeat: Duration,
+    /// How long after its first use a gateway key is trusted to be remembered.
+    pub gateway_key_window: Duration,
+    /// Fires when in-flight work must give up its lease (the shutdown deadline passed).
+    pub giving_up: Signal,
+    /// Counters for `GET /metrics`.
+    pub metrics: Metrics,
+    /// Crash points armed by tests (empty in builds without the `failpoints` feature).
+    pub failpoints: Failpoints,
+}
+
+impl AppState {
+    /// Builds the state from validated settings.
+    pub fn new(
+        pool: PgPool,
+        clock: Arc<dyn Clock>,
+        gateway: &GatewayArgs,
+        lease: &LeaseArgs,
+    ) -> Result<Self, StartError> {
+        crate::config::validate(gateway, lease).map_err(StartError::Settings)?;
+        let store = Store::new(pool.clone(), clock, lease.lease_ttl)?;
+        let stripe = gateway.client()?;
+        Ok(Self {
+            pool,
+            store,
+            stripe,
+            heartbeat: lease.lease_heartbeat,
+            gateway_key_window: gateway.gateway_key_window,
+            giving_up: Signal::never(),
+            metrics: Metrics::default(),
+            failpoints: Failpoints::from_env().map_err(StartError::Settings)?,
+        })
+    }
+}
