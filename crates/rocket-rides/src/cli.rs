@@ -11,9 +11,18 @@ use crate::app::{self, AppState};
 use crate::config::{GatewayArgs, LeaseArgs, ShutdownArgs, WorkerArgs};
 use crate::shutdown::{os_signal, Shutdown, HARD_STOP_MARGIN};
 
+/// What `--version` says of a build with crash points and sabotage switches (tests and the
+/// chaos harness, which refuses a binary without them).
+pub const FAILPOINTS_MARK: &str = "built with failpoints";
+
+#[cfg(feature = "failpoints")]
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (built with failpoints)");
+#[cfg(not(feature = "failpoints"))]
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// Rocket Rides: book a ride and charge a card, effectively once.
 #[derive(Debug, Parser)]
-#[command(name = "rocket-rides", version)]
+#[command(name = "rocket-rides", version = VERSION)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -74,9 +83,6 @@ enum Command {
         #[command(flatten)]
         shutdown: ShutdownArgs,
     },
-    /// Break the real processes on purpose and audit that every invariant held.
-    #[cfg(feature = "chaos")]
-    Chaos(crate::chaos::ChaosArgs),
     /// Inspect idempotency keys: recovery points, leases, attempts.
     Keys {
         #[command(subcommand)]
@@ -216,8 +222,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 tracing::info!("stopped");
             }
         }
-        #[cfg(feature = "chaos")]
-        Command::Chaos(args) => crate::chaos::run_and_print(args).await?,
         Command::Keys { command } => {
             let (db, which) = match command {
                 KeysCommand::List {

@@ -1,5 +1,5 @@
 //! Crash points inside the phase machine, and sabotage switches for the chaos harness's negative
-//! control. Both exist only in builds with the `failpoints` feature (tests, `rocket-rides chaos`);
+//! control. Both exist only in builds with the `failpoints` feature (tests, `chaos` (crates/proving-ground));
 //! a production build has neither, and nothing on the request surface can reach them.
 //!
 //! Two ways to make a point fire:

@@ -22,8 +22,6 @@
 pub mod app;
 pub mod auth;
 pub mod booking;
-#[cfg(feature = "chaos")]
-pub mod chaos;
 pub mod cli;
 pub mod config;
 pub mod db;

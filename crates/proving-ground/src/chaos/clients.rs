@@ -277,5 +277,5 @@ pub(crate) fn is_payment_refused(answer: &Answer) -> bool {
             .body
             .as_deref()
             .and_then(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
-            .is_some_and(|b| b["type"] == crate::problem::types::PAYMENT_REFUSED)
+            .is_some_and(|b| b["type"] == rocket_rides::problem::types::PAYMENT_REFUSED)
 }

@@ -1,4 +1,4 @@
-//! `rocket-rides chaos`: starts the real programs, sends payments through them while killing and
+//! `chaos`: starts the real programs, sends payments through them while killing and
 //! cutting them, then proves from the databases and the clients' records that every invariant
 //! held.
 //!
@@ -10,7 +10,7 @@
 //!  killers: SIGKILL api-i / worker at random · failpoints: crash at exact points (exit codes)
 //! ```
 //!
-//! The run: a fresh database, the gateway, K API processes and a worker (this same binary, built
+//! The run: a fresh database, the gateway, K API processes and a worker (the `rocket-rides` binary, built
 //! with failpoints), users (some with declining cards), C clients sending N requests with fresh
 //! keys, every fault on. Then the faults stop, a calm worker finishes what was abandoned, every
 //! request is asked once more (the replay must equal the first answer), and the auditor checks
@@ -70,7 +70,7 @@ pub enum FaultFamily {
     Database,
 }
 
-/// `rocket-rides chaos` options.
+/// `chaos` options.
 #[derive(Debug, Clone, Args)]
 pub struct ChaosArgs {
     /// PostgreSQL server URL; the run creates a fresh database on that server.
@@ -100,8 +100,13 @@ pub struct ChaosArgs {
     /// A client gives up on a request after this long; the completer must then finish it.
     /// Shorter than the API's lease (8 s), so that requests caught by a crash are often
     /// abandoned by their clients and left to the completer.
-    #[arg(long, value_parser = crate::config::parse_duration, default_value = "6s")]
+    #[arg(long, value_parser = rocket_rides::config::parse_duration, default_value = "6s")]
     pub give_up_after: Duration,
+    /// The `rocket-rides` binary to run as the API and worker processes; it must be built with
+    /// the `failpoints` feature (`scripts/chaos.sh` builds it). Default: the `rocket-rides` next
+    /// to this program.
+    #[arg(long, env = "ROCKET_RIDES_BIN")]
+    pub service_bin: Option<PathBuf>,
     /// Where the report, the HTML page and the processes' logs go.
     #[arg(long, default_value = "target/chaos")]
     pub report_dir: PathBuf,
@@ -175,7 +180,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         .max_connections(8)
         .connect_with(options.clone().application_name("chaos-auditor"))
         .await?;
-    crate::db::migrate(&pool).await?;
+    rocket_rides::db::migrate(&pool).await?;
 
     // The gateway, in-process, and the network between the API and it.
     let recorder = Recorder::new();
@@ -224,7 +229,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         Arc::new(Proxy::start("api-gateway", gateway_addr, network, rng.random()).await?);
 
     // Users, created through the gateway directly (setup is not under test).
-    let stripe = crate::stripe::StripeClient::new(
+    let stripe = rocket_rides::stripe::StripeClient::new(
         &format!("http://{gateway_addr}"),
         GATEWAY_SECRET,
         Duration::from_secs(2),
@@ -240,9 +245,13 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         } else {
             "tok_visa"
         };
-        let user =
-            crate::users::create_user(&pool, &stripe, &format!("rider{i}@chaos.example"), card)
-                .await?;
+        let user = rocket_rides::users::create_user(
+            &pool,
+            &stripe,
+            &format!("rider{i}@chaos.example"),
+            card,
+        )
+        .await?;
         users.push(ClientUser {
             id: user.id,
             api_key: user.api_key,
@@ -254,7 +263,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     }
 
     // The API processes and the worker: this binary, with failpoints compiled in.
-    let program = std::env::current_exe().context("locate this binary")?;
+    let program = service_binary(args.service_bin.as_deref())?;
     // A new key generation is rare (a reconciliation that found nothing), so its point is
     // armed more often than the others.
     let crash_spec = "after_ride_created=0.004,after_new_generation=0.05,\
@@ -286,8 +295,8 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     for sabotage in &args.without {
         match sabotage {
             Sabotage::DerivedKey => env.push((
-                crate::failpoints::SABOTAGE_ENV.to_owned(),
-                crate::failpoints::SABOTAGE_FRESH_GATEWAY_KEY.to_owned(),
+                rocket_rides::failpoints::SABOTAGE_ENV.to_owned(),
+                rocket_rides::failpoints::SABOTAGE_FRESH_GATEWAY_KEY.to_owned(),
             )),
             // Applied to the worker's arguments below.
             Sabotage::Completer => {}
@@ -302,11 +311,11 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         let mut env = env.clone();
         if on(FaultFamily::Crash) {
             env.push((
-                crate::failpoints::FAILPOINTS_ENV.to_owned(),
+                rocket_rides::failpoints::FAILPOINTS_ENV.to_owned(),
                 crash_spec.to_owned(),
             ));
             env.push((
-                crate::failpoints::FAILPOINT_SEED_ENV.to_owned(),
+                rocket_rides::failpoints::FAILPOINT_SEED_ENV.to_owned(),
                 seed.to_string(),
             ));
         }
@@ -710,6 +719,36 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     Ok(report)
 }
 
+/// The service binary to spawn, checked to have the crash points and sabotage switches that the
+/// run configures: a build without them would ignore them, and the run would prove nothing.
+fn service_binary(given: Option<&std::path::Path>) -> anyhow::Result<PathBuf> {
+    let program = match given {
+        Some(path) => path.to_owned(),
+        None => std::env::current_exe()
+            .context("locate this program")?
+            .with_file_name(format!("rocket-rides{}", std::env::consts::EXE_SUFFIX)),
+    };
+    let version = std::process::Command::new(&program)
+        .arg("--version")
+        .output()
+        .with_context(|| {
+            format!(
+                "run {} (build it with `cargo build -p rocket-rides --features failpoints`, or \
+                 name it with --service-bin)",
+                program.display()
+            )
+        })?;
+    let version = String::from_utf8_lossy(&version.stdout);
+    anyhow::ensure!(
+        version.contains(rocket_rides::cli::FAILPOINTS_MARK),
+        "{} was built without the failpoints feature ({}); build it with \
+         `cargo build -p rocket-rides --features failpoints`",
+        program.display(),
+        version.trim()
+    );
+    Ok(program)
+}
+
 fn free_port() -> std::io::Result<u16> {
     // The OS picks a free port; the short window before the child binds it is harmless on a
     // machine where nothing else races for loopback ports.
@@ -739,7 +778,7 @@ async fn wait_until_serving(targets: &[SocketAddr]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Exit status of `rocket-rides chaos`: the table is printed, and failure is an error.
+/// Exit status of `chaos`: the table is printed, and failure is an error.
 pub async fn run_and_print(args: ChaosArgs) -> anyhow::Result<()> {
     let report = run(args).await?;
     println!("{}", report.table());

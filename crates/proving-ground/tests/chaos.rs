@@ -8,16 +8,8 @@ use std::process::Command;
 use serde_json::Value;
 
 fn run_chaos(report_dir: &Path, extra: &[&str]) -> (std::process::ExitStatus, Value) {
-    let status = Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
-        .args([
-            "chaos",
-            "--requests",
-            "150",
-            "--concurrency",
-            "16",
-            "--seed",
-            "7",
-        ])
+    let status = Command::new(env!("CARGO_BIN_EXE_chaos"))
+        .args(["--requests", "150", "--concurrency", "16", "--seed", "7"])
         .args(extra)
         .arg("--drop-database")
         .arg("--report-dir")
@@ -25,7 +17,7 @@ fn run_chaos(report_dir: &Path, extra: &[&str]) -> (std::process::ExitStatus, Va
         .env("RUST_LOG", "warn")
         .env("RUST_BACKTRACE", "0")
         .status()
-        .expect("run rocket-rides chaos");
+        .expect("run chaos");
     let run = std::fs::read_dir(report_dir)
         .unwrap()
         .map(|entry| entry.unwrap().path())

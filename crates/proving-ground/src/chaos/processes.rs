@@ -65,7 +65,7 @@ fn spawn(spec: &ProcessSpec, generation: u64) -> std::io::Result<Child> {
         .open(&spec.log)?;
     let env = spec.env.iter().map(|(key, value)| {
         let value = match (key.as_str(), value.parse::<u64>()) {
-            (crate::failpoints::FAILPOINT_SEED_ENV, Ok(seed)) => {
+            (rocket_rides::failpoints::FAILPOINT_SEED_ENV, Ok(seed)) => {
                 seed.wrapping_add(generation).to_string()
             }
             _ => value.clone(),
@@ -101,7 +101,7 @@ async fn supervise(
         tokio::select! {
             status = child.wait() => {
                 let code = status.ok().and_then(|s| s.code());
-                match code.and_then(crate::failpoints::point_of_exit_code) {
+                match code.and_then(rocket_rides::failpoints::point_of_exit_code) {
                     Some(point) => recorder.fault(&format!("crash_{point}"), 1),
                     None => {
                         tracing::warn!(name = %spec.name, ?code, "process exited on its own");

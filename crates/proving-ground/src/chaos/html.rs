@@ -160,7 +160,7 @@ pub fn render(report: &Report) -> String {
     out.push_str("</section>\n</div>\n");
 
     out.push_str(
-        "<footer>Written by <code>rocket-rides chaos</code>. This page is self-contained: it loads \
+        "<footer>Written by <code>chaos</code> (Rocket Rides' proving ground). This page is self-contained: it loads \
          nothing from anywhere.</footer>\n</main>\n</body>\n</html>\n",
     );
     out
