@@ -137,6 +137,14 @@ impl Store {
         Ok(deleted.rows_affected())
     }
 
+    /// How many keys are unfinished, across every user: the gauge an operator alerts on.
+    pub async fn count_unfinished(&self) -> Result<i64, Error> {
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(Error::db("count unfinished keys"))
+    }
+
     /// Reads one key by id, for an operator's inspection (`keys show`) and tests. Unlike the
     /// request path, this look-up crosses users.
     pub async fn find(&self, key_id: i64) -> Result<Option<KeyRecord>, Error> {
