@@ -35,13 +35,15 @@
 //! key — recorded on the ride in a phase of its own before the call, so that a crash anywhere
 //! resumes under that generation — and charge again. The normal path makes no list call.
 
+use std::time::Instant;
+
 use idempotency::{Lease, RecoveryPoint, StoredResponse};
 use idempotency_axum::Problem;
 use serde_json::json;
 use sqlx::PgConnection;
 use time::OffsetDateTime;
 
-use crate::metrics::{ChargeOutcome, Reconciliation};
+use crate::metrics::{ChargeOutcome, GatewayCall, Reconciliation};
 use crate::problem::types;
 use crate::ride::{RideRequest, RideView};
 use crate::state::AppState;
@@ -197,6 +199,7 @@ async fn create_ride(
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let now = state.store.now();
+    let started = Instant::now();
     let mut phase = state.store.phase(lease, RidePoint::RideCreated).await?;
     let key_id = phase.key_id();
     let ride_id: i64 = sqlx::query_scalar(
@@ -228,6 +231,7 @@ async fn create_ride(
     )
     .await?;
     phase.commit().await?;
+    state.metrics.phase("ride_created", started.elapsed());
     crash_point(state, crate::failpoints::AFTER_RIDE_CREATED)?;
     Ok(Step::Advanced)
 }
@@ -317,8 +321,13 @@ async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
             description: &description,
             metadata: &metadata,
         };
+        let started = Instant::now();
         let result =
-            with_heartbeat(state, lease, state.stripe.create_charge(&key, &new_charge)).await?;
+            with_heartbeat(state, lease, state.stripe.create_charge(&key, &new_charge)).await;
+        state
+            .metrics
+            .gateway_call(GatewayCall::CreateCharge, started.elapsed());
+        let result = result?;
         state.metrics.charge(ChargeOutcome::of(&result));
         match result {
             // The key holds a failure for good: find out what happened, once.
@@ -346,13 +355,17 @@ async fn find_own_charge(
     target: &ChargeTarget,
 ) -> Result<Option<Charge>, BookingError> {
     let since = (target.first_attempt_at - RECONCILE_CLOCK_SKEW).unix_timestamp();
+    let started = Instant::now();
     let listed = with_heartbeat(
         state,
         lease,
         state.stripe.list_charges(&target.customer, since),
     )
-    .await?
-    .map_err(|e| match e {
+    .await;
+    state
+        .metrics
+        .gateway_call(GatewayCall::ListCharges, started.elapsed());
+    let listed = listed?.map_err(|e| match e {
         ChargeError::Misconfigured(why) => BookingError::GatewayMisconfigured(why),
         // No list, no knowledge: never charge blind. A list refused for good (an unknown
         // customer) leaves the key for an operator.
@@ -393,6 +406,7 @@ async fn next_generation(
     let user_id = lease.user_id();
     let now = state.store.now();
     let point = lease.recovery_point();
+    let started = Instant::now();
     let mut phase = state.store.phase(lease, point).await?;
     let generation: i32 = sqlx::query_scalar(
         "UPDATE rides SET charge_generation = charge_generation + 1,
@@ -416,6 +430,7 @@ async fn next_generation(
     )
     .await?;
     phase.commit().await?;
+    state.metrics.phase("charge_generation", started.elapsed());
     tracing::warn!(
         ride_id = target.ride_id,
         generation,
@@ -485,6 +500,7 @@ async fn record_charge(
     found: Found,
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
+    let started = Instant::now();
     let mut phase = state.store.phase(lease, RidePoint::ChargeCreated).await?;
     sqlx::query(
         "UPDATE rides SET charge_id = $3, status = 'paid', updated_at = now()
@@ -505,6 +521,7 @@ async fn record_charge(
     )
     .await?;
     phase.commit().await?;
+    state.metrics.phase("charge_created", started.elapsed());
     crash_point(state, crate::failpoints::AFTER_CHARGE_CREATED)?;
     Ok(Step::Advanced)
 }
@@ -518,6 +535,7 @@ async fn record_pending(
     charge: &Charge,
 ) -> Result<(), BookingError> {
     let user_id = lease.user_id();
+    let started = Instant::now();
     let mut phase = state.store.phase(lease, RidePoint::ChargePending).await?;
     sqlx::query(
         "UPDATE rides SET charge_id = $3, status = 'payment_pending', updated_at = now()
@@ -538,6 +556,7 @@ async fn record_pending(
     )
     .await?;
     phase.commit().await?;
+    state.metrics.phase("charge_pending", started.elapsed());
     Ok(())
 }
 
@@ -553,7 +572,12 @@ async fn resolve_pending(
             target.ride_id
         ))
     })?;
-    let result = with_heartbeat(state, lease, state.stripe.retrieve_charge(&charge_id)).await?;
+    let started = Instant::now();
+    let result = with_heartbeat(state, lease, state.stripe.retrieve_charge(&charge_id)).await;
+    state
+        .metrics
+        .gateway_call(GatewayCall::RetrieveCharge, started.elapsed());
+    let result = result?;
     match result {
         Ok(charge) if charge.id == charge_id => {
             settle(state, lease, &target, charge, Found::Retrieved).await
@@ -643,6 +667,7 @@ async fn declined(
     message: &str,
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
+    let started = Instant::now();
     let mut phase = state.store.final_phase(lease).await?;
     // A charge recorded pending that then failed is not the ride's charge: it moved no money.
     sqlx::query(
@@ -671,6 +696,7 @@ async fn declined(
     .with_extension("decline_code", code.into());
     let response = problem_response(&problem);
     phase.finish(&response).await?;
+    state.metrics.phase("finished", started.elapsed());
     Ok(Step::Respond(response))
 }
 
@@ -703,6 +729,7 @@ async fn refused(
         "the gateway refused the charge for good"
     );
     let user_id = lease.user_id();
+    let started = Instant::now();
     let mut phase = state.store.final_phase(lease).await?;
     sqlx::query(
         "UPDATE rides SET status = 'failed', updated_at = now() WHERE id = $1 AND user_id = $2",
@@ -738,6 +765,7 @@ async fn refused(
     .with_extension("gateway_error", gateway_error);
     let response = problem_response(&problem);
     phase.finish(&response).await?;
+    state.metrics.phase("finished", started.elapsed());
     state.metrics.payment_refused();
     Ok(Step::Respond(response))
 }
@@ -746,6 +774,7 @@ async fn refused(
 async fn finish(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let key_id = lease.key_id();
+    let started = Instant::now();
     let mut phase = state.store.final_phase(lease).await?;
     let ride = RideView::by_key(&mut *phase.conn(), user_id, key_id)
         .await
@@ -762,6 +791,7 @@ async fn finish(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
         vec![("location".to_owned(), format!("/rides/{}", ride.ride_id))],
     );
     phase.finish(&response).await?;
+    state.metrics.phase("finished", started.elapsed());
     Ok(Step::Respond(response))
 }
 

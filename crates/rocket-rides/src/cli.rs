@@ -10,6 +10,7 @@ use idempotency::{DatabaseClock, KeyFilter, Store};
 use crate::app::{self, AppState};
 use crate::config::{GatewayArgs, LeaseArgs, ShutdownArgs, WorkerArgs};
 use crate::shutdown::{os_signal, Shutdown, HARD_STOP_MARGIN};
+use crate::telemetry::LogFormat;
 
 /// What `--version` says of a build with crash points and sabotage switches (tests and the
 /// chaos harness, which refuses a binary without them).
@@ -24,8 +25,18 @@ const VERSION: &str = env!("CARGO_PKG_VERSION");
 #[derive(Debug, Parser)]
 #[command(name = "rocket-rides", version = VERSION)]
 pub struct Cli {
+    /// How log lines are written to stderr: `text`, or `json` (one object per line).
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+impl Cli {
+    /// The log format asked for.
+    pub fn log_format(&self) -> LogFormat {
+        self.log_format
+    }
 }
 
 #[derive(Debug, Args)]

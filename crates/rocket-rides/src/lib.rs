@@ -13,6 +13,7 @@
 //! | settings and their relations | [`config`] |
 //! | counters and histograms, the OpenAPI document | [`metrics`], [`openapi`] |
 //! | graceful shutdown in two steps | [`shutdown`] |
+//! | logs: text or JSON lines, request ids | [`telemetry`] |
 //! | completer, reaper, outbox drain | [`worker`] |
 //!
 //! Imports run one way: settings, errors, the gateway client and the ride model at the bottom;
@@ -34,5 +35,6 @@ pub mod ride;
 pub mod shutdown;
 pub mod state;
 pub mod stripe;
+pub mod telemetry;
 pub mod users;
 pub mod worker;

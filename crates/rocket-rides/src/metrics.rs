@@ -1,16 +1,39 @@
-//! `GET /metrics`: counters in the Prometheus text format (version 0.0.4).
+//! The service's counters and histograms, in the OpenMetrics text format
+//! (`prometheus-client`).
 //!
-//! Hand-written rather than pulled from a metrics crate: a handful of counters, each a plain
-//! atomic or a small map under a mutex, rendered on scrape. The unfinished-key gauge is read from
-//! the database at scrape time, so it is true across every API process and the worker.
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `http_requests_total` | counter | `method` (unknown methods are `OTHER`), `route` (the template, `unmatched` for none), `status` |
+//! | `http_request_duration_seconds` | histogram | `method`, `route`, `status` |
+//! | `idempotency_claims_total` | counter | `outcome`: acquired, replayed, mismatch, in_flight |
+//! | `idempotency_claim_duration_seconds` | histogram | |
+//! | `booking_phase_duration_seconds` | histogram | `phase`: the recovery point a phase commits (ride_created, charge_generation, charge_pending, charge_created, finished) |
+//! | `gateway_call_duration_seconds` | histogram | `call`: create_charge, list_charges, retrieve_charge |
+//! | `gateway_charges_total` | counter | `outcome`: charged, declined, unavailable, refused, misconfigured, pending, stored_error |
+//! | `gateway_reconciliations_total` | counter | `outcome`: adopted, none_found |
+//! | `payments_refused_total` | counter | |
+//! | `idempotency_leases_lost_total` | counter | |
+//! | `completer_keys_total` | counter | `outcome`: claimed, finished, retried, lost, undecodable |
+//! | `outbox_receipts_delivered_total`, `reaper_keys_deleted_total` | counter | |
+//! | `idempotency_keys_unfinished` | gauge | read from the database at scrape time, true across every process |
+//! | `db_pool_connections` | gauge | `state`: in_use, idle (this process's pool, at scrape time) |
+//!
+//! Every label value comes from a closed set (route templates, not paths; known methods), so the
+//! number of series is bounded whatever clients send. Series of known outcomes exist from the
+//! start, at zero, so that a rate over them is defined before the first event.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
 
 /// The media type of the text exposition format.
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// How a claim ended.
 #[derive(Debug, Clone, Copy)]
@@ -24,6 +47,8 @@ pub enum ClaimOutcome {
     /// Another request held the lease (409).
     InFlight,
 }
+
+const CLAIM_OUTCOMES: [&str; 4] = ["acquired", "replayed", "mismatch", "in_flight"];
 
 /// How a gateway charge call ended.
 #[derive(Debug, Clone, Copy)]
@@ -81,26 +106,9 @@ pub enum Reconciliation {
     NoneFound,
 }
 
-/// The service's counters. Cheap to clone; clones share the counts.
-#[derive(Debug, Clone, Default)]
-pub struct Metrics(Arc<Counters>);
+const RECONCILIATIONS: [&str; 2] = ["adopted", "none_found"];
 
-#[derive(Debug, Default)]
-struct Counters {
-    /// (method, route template, status) → count.
-    http: Mutex<BTreeMap<(String, String, u16), u64>>,
-    claims: [AtomicU64; 4],
-    charges: [AtomicU64; 7],
-    reconciliations: [AtomicU64; 2],
-    payments_refused: AtomicU64,
-    leases_lost: AtomicU64,
-    /// Completer outcomes, in the order of [`COMPLETER_OUTCOMES`].
-    completer: [AtomicU64; 5],
-    receipts_delivered: AtomicU64,
-    keys_reaped: AtomicU64,
-}
-
-/// What the completer did with a key, in the order of [`COMPLETER_OUTCOMES`].
+/// What the completer did with a key.
 #[derive(Debug, Clone, Copy)]
 pub enum CompleterOutcome {
     /// Claimed.
@@ -115,143 +123,336 @@ pub enum CompleterOutcome {
     Undecodable,
 }
 
-/// The labels of `completer_keys_total`.
 const COMPLETER_OUTCOMES: [&str; 5] = ["claimed", "finished", "retried", "lost", "undecodable"];
 
+/// A call to the gateway, for `gateway_call_duration_seconds`.
+#[derive(Debug, Clone, Copy)]
+pub enum GatewayCall {
+    /// `POST /v1/charges`.
+    CreateCharge,
+    /// `GET /v1/charges` (every page of one reconciliation).
+    ListCharges,
+    /// `GET /v1/charges/{id}`.
+    RetrieveCharge,
+}
+
+const GATEWAY_CALLS: [&str; 3] = ["create_charge", "list_charges", "retrieve_charge"];
+
+/// The methods that are their own label value; any other is `OTHER`.
+const KNOWN_METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HttpLabels {
+    method: &'static str,
+    route: String,
+    status: u16,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    phase: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabel {
+    call: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: &'static str,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Seconds, from 1 ms to about 33 s, doubling: a phase takes milliseconds, a gateway call up to
+/// its timeout.
+fn seconds_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+/// The service's metrics. Cheap to clone; clones share the registry.
+#[derive(Clone)]
+pub struct Metrics(Arc<Inner>);
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    registry: Registry,
+    http_requests: Family<HttpLabels, Counter>,
+    http_duration: Histograms<HttpLabels>,
+    claims: Family<OutcomeLabel, Counter>,
+    claim_duration: Histogram,
+    phase_duration: Histograms<PhaseLabel>,
+    gateway_duration: Histograms<CallLabel>,
+    charges: Family<OutcomeLabel, Counter>,
+    reconciliations: Family<OutcomeLabel, Counter>,
+    payments_refused: Counter,
+    leases_lost: Counter,
+    completer: Family<OutcomeLabel, Counter>,
+    receipts_delivered: Counter,
+    keys_reaped: Counter,
+    unfinished_keys: Gauge,
+    pool_connections: Family<StateLabel, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let http_requests = Family::<HttpLabels, Counter>::default();
+        registry.register(
+            "http_requests",
+            "HTTP requests answered, by method, route template and status",
+            http_requests.clone(),
+        );
+        let http_duration: Histograms<HttpLabels> = Family::new_with_constructor(seconds_histogram);
+        registry.register_with_unit(
+            "http_request_duration",
+            "Time to answer an HTTP request, by method, route template and status",
+            Unit::Seconds,
+            http_duration.clone(),
+        );
+        let claims = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "idempotency_claims",
+            "Claims of idempotency keys, by outcome",
+            claims.clone(),
+        );
+        let claim_duration = seconds_histogram();
+        registry.register_with_unit(
+            "idempotency_claim_duration",
+            "Time of one claim (the statement and, when refused, the read that tells why)",
+            Unit::Seconds,
+            claim_duration.clone(),
+        );
+        let phase_duration: Histograms<PhaseLabel> =
+            Family::new_with_constructor(seconds_histogram);
+        registry.register_with_unit(
+            "booking_phase_duration",
+            "Time of one atomic phase of a booking, from its fenced update to its commit, by the \
+             recovery point it commits",
+            Unit::Seconds,
+            phase_duration.clone(),
+        );
+        let gateway_duration: Histograms<CallLabel> =
+            Family::new_with_constructor(seconds_histogram);
+        registry.register_with_unit(
+            "gateway_call_duration",
+            "Time of one call to the payment gateway, by call",
+            Unit::Seconds,
+            gateway_duration.clone(),
+        );
+        let charges = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "gateway_charges",
+            "Calls to the gateway's charge endpoint, by outcome",
+            charges.clone(),
+        );
+        let reconciliations = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "gateway_reconciliations",
+            "Lists of a customer's charges made because the gateway key could not be trusted, by \
+             outcome",
+            reconciliations.clone(),
+        );
+        let payments_refused = Counter::default();
+        registry.register(
+            "payments_refused",
+            "Requests finished with 502 because the gateway refused the charge for good",
+            payments_refused.clone(),
+        );
+        let leases_lost = Counter::default();
+        registry.register(
+            "idempotency_leases_lost",
+            "Requests stopped because another holder took their key over",
+            leases_lost.clone(),
+        );
+        let completer = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "completer_keys",
+            "Keys the completer claimed, and how each attempt ended",
+            completer.clone(),
+        );
+        let receipts_delivered = Counter::default();
+        registry.register(
+            "outbox_receipts_delivered",
+            "Ride receipts the outbox drain delivered",
+            receipts_delivered.clone(),
+        );
+        let keys_reaped = Counter::default();
+        registry.register(
+            "reaper_keys_deleted",
+            "Finished keys the reaper deleted",
+            keys_reaped.clone(),
+        );
+        let unfinished_keys = Gauge::default();
+        registry.register(
+            "idempotency_keys_unfinished",
+            "Keys not yet finished, across all processes (read at scrape time)",
+            unfinished_keys.clone(),
+        );
+        let pool_connections = Family::<StateLabel, Gauge>::default();
+        registry.register(
+            "db_pool_connections",
+            "This process's database connections, in use or idle (read at scrape time)",
+            pool_connections.clone(),
+        );
+        // Known outcomes start at zero.
+        for (family, names) in [
+            (&claims, &CLAIM_OUTCOMES[..]),
+            (&charges, &CHARGE_OUTCOMES[..]),
+            (&reconciliations, &RECONCILIATIONS[..]),
+            (&completer, &COMPLETER_OUTCOMES[..]),
+        ] {
+            for outcome in names {
+                drop(family.get_or_create(&OutcomeLabel { outcome }));
+            }
+        }
+        Self(Arc::new(Inner {
+            registry,
+            http_requests,
+            http_duration,
+            claims,
+            claim_duration,
+            phase_duration,
+            gateway_duration,
+            charges,
+            reconciliations,
+            payments_refused,
+            leases_lost,
+            completer,
+            receipts_delivered,
+            keys_reaped,
+            unfinished_keys,
+            pool_connections,
+        }))
+    }
+}
+
 impl Metrics {
-    /// Counts one claim.
-    pub fn claim(&self, outcome: ClaimOutcome) {
-        self.0.claims[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    /// Counts one claim and how long it took.
+    pub fn claim(&self, outcome: ClaimOutcome, took: Duration) {
+        let outcome = CLAIM_OUTCOMES[outcome as usize];
+        self.0.claims.get_or_create(&OutcomeLabel { outcome }).inc();
+        self.0.claim_duration.observe(took.as_secs_f64());
+    }
+
+    /// Times one committed phase of a booking, by the recovery point it committed.
+    pub fn phase(&self, phase: &'static str, took: Duration) {
+        self.0
+            .phase_duration
+            .get_or_create(&PhaseLabel { phase })
+            .observe(took.as_secs_f64());
+    }
+
+    /// Times one gateway call.
+    pub fn gateway_call(&self, call: GatewayCall, took: Duration) {
+        let call = GATEWAY_CALLS[call as usize];
+        self.0
+            .gateway_duration
+            .get_or_create(&CallLabel { call })
+            .observe(took.as_secs_f64());
     }
 
     /// Counts one gateway charge call.
     pub fn charge(&self, outcome: ChargeOutcome) {
-        self.0.charges[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        let outcome = CHARGE_OUTCOMES[outcome as usize];
+        self.0
+            .charges
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
     }
 
     /// Counts one reconciliation.
     pub fn reconciliation(&self, outcome: Reconciliation) {
-        self.0.reconciliations[outcome as usize].fetch_add(1, Ordering::Relaxed);
+        let outcome = RECONCILIATIONS[outcome as usize];
+        self.0
+            .reconciliations
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
     }
 
     /// Counts a request finished with a 502 because the gateway refused its charge for good.
     pub fn payment_refused(&self) {
-        self.0.payments_refused.fetch_add(1, Ordering::Relaxed);
+        self.0.payments_refused.inc();
     }
 
     /// Counts a request or completer attempt that found its lease taken over.
     pub fn lease_lost(&self) {
-        self.0.leases_lost.fetch_add(1, Ordering::Relaxed);
+        self.0.leases_lost.inc();
     }
 
     /// Counts one completer pass: how many keys had each outcome.
     pub fn completer_pass(&self, counts: [(CompleterOutcome, usize); 5]) {
         for (outcome, n) in counts {
-            self.0.completer[outcome as usize].fetch_add(n as u64, Ordering::Relaxed);
+            let outcome = COMPLETER_OUTCOMES[outcome as usize];
+            self.0
+                .completer
+                .get_or_create(&OutcomeLabel { outcome })
+                .inc_by(n as u64);
         }
     }
 
     /// Counts receipts the outbox drain delivered.
     pub fn receipts_delivered(&self, n: u64) {
-        self.0.receipts_delivered.fetch_add(n, Ordering::Relaxed);
+        self.0.receipts_delivered.inc_by(n);
     }
 
     /// Counts keys the reaper deleted.
     pub fn keys_reaped(&self, n: u64) {
-        self.0.keys_reaped.fetch_add(n, Ordering::Relaxed);
+        self.0.keys_reaped.inc_by(n);
     }
 
-    /// Counts one answered request, by method, route template and status.
-    pub fn http(&self, method: &str, route: &str, status: u16) {
-        let mut http = self.0.http.lock().unwrap_or_else(|e| e.into_inner());
-        *http
-            .entry((method.to_owned(), route.to_owned(), status))
-            .or_default() += 1;
+    /// Counts one answered request and how long it took, by method, route template and status.
+    /// A method outside the known ones is counted as `OTHER`, so that made-up methods cannot
+    /// add series.
+    pub fn http(&self, method: &str, route: &str, status: u16, took: Duration) {
+        let method = KNOWN_METHODS
+            .iter()
+            .find(|m| **m == method)
+            .copied()
+            .unwrap_or("OTHER");
+        let labels = HttpLabels {
+            method,
+            route: route.to_owned(),
+            status,
+        };
+        self.0.http_requests.get_or_create(&labels).inc();
+        self.0
+            .http_duration
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
     }
 
-    /// The text exposition, with the unfinished-key gauge read by the caller.
-    pub fn render(&self, unfinished_keys: Option<i64>) -> String {
-        let mut out = String::new();
-        out.push_str(
-            "# HELP http_requests_total HTTP requests answered, by route template and status.\n",
-        );
-        out.push_str("# TYPE http_requests_total counter\n");
-        for ((method, route, status), count) in
-            self.0.http.lock().unwrap_or_else(|e| e.into_inner()).iter()
-        {
-            let _ = writeln!(
-                out,
-                "http_requests_total{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} {count}"
-            );
-        }
-        out.push_str("# HELP idempotency_claims_total Claims of idempotency keys, by outcome.\n");
-        out.push_str("# TYPE idempotency_claims_total counter\n");
-        for (i, name) in ["acquired", "replayed", "mismatch", "in_flight"]
-            .iter()
-            .enumerate()
-        {
-            let count = self.0.claims[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "idempotency_claims_total{{outcome=\"{name}\"}} {count}"
-            );
-        }
-        out.push_str(
-            "# HELP gateway_charges_total Calls to the gateway's charge endpoint, by outcome.\n",
-        );
-        out.push_str("# TYPE gateway_charges_total counter\n");
-        for (name, counter) in CHARGE_OUTCOMES.iter().zip(&self.0.charges) {
-            let count = counter.load(Ordering::Relaxed);
-            let _ = writeln!(out, "gateway_charges_total{{outcome=\"{name}\"}} {count}");
-        }
-        out.push_str("# HELP gateway_reconciliations_total Lists of a customer's charges made because the gateway key could not be trusted, by outcome.\n");
-        out.push_str("# TYPE gateway_reconciliations_total counter\n");
-        for (name, counter) in ["adopted", "none_found"]
-            .iter()
-            .zip(&self.0.reconciliations)
-        {
-            let count = counter.load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "gateway_reconciliations_total{{outcome=\"{name}\"}} {count}"
-            );
-        }
-        out.push_str("# HELP payments_refused_total Requests finished with 502 because the gateway refused the charge for good.\n");
-        out.push_str("# TYPE payments_refused_total counter\n");
-        let refused = self.0.payments_refused.load(Ordering::Relaxed);
-        let _ = writeln!(out, "payments_refused_total {refused}");
-        out.push_str("# HELP idempotency_leases_lost_total Requests stopped because another holder took their key over.\n");
-        out.push_str("# TYPE idempotency_leases_lost_total counter\n");
-        let _ = writeln!(
-            out,
-            "idempotency_leases_lost_total {}",
-            self.0.leases_lost.load(Ordering::Relaxed)
-        );
-        out.push_str(
-            "# HELP completer_keys_total Keys the completer claimed, and how each attempt ended.\n",
-        );
-        out.push_str("# TYPE completer_keys_total counter\n");
-        for (name, counter) in COMPLETER_OUTCOMES.iter().zip(&self.0.completer) {
-            let count = counter.load(Ordering::Relaxed);
-            let _ = writeln!(out, "completer_keys_total{{outcome=\"{name}\"}} {count}");
-        }
-        out.push_str(
-            "# HELP outbox_receipts_delivered_total Ride receipts the outbox drain delivered.\n",
-        );
-        out.push_str("# TYPE outbox_receipts_delivered_total counter\n");
-        let delivered = self.0.receipts_delivered.load(Ordering::Relaxed);
-        let _ = writeln!(out, "outbox_receipts_delivered_total {delivered}");
-        out.push_str("# HELP reaper_keys_deleted_total Finished keys the reaper deleted.\n");
-        out.push_str("# TYPE reaper_keys_deleted_total counter\n");
-        let reaped = self.0.keys_reaped.load(Ordering::Relaxed);
-        let _ = writeln!(out, "reaper_keys_deleted_total {reaped}");
+    /// The text exposition. The gauges read at scrape time are set first: the unfinished keys
+    /// (from the database, when it answered) and this process's pool (connections, idle).
+    pub fn render(&self, unfinished_keys: Option<i64>, pool: Option<(u32, usize)>) -> String {
         if let Some(unfinished) = unfinished_keys {
-            out.push_str(
-                "# HELP idempotency_keys_unfinished Keys not yet finished, across all processes.\n",
-            );
-            out.push_str("# TYPE idempotency_keys_unfinished gauge\n");
-            let _ = writeln!(out, "idempotency_keys_unfinished {unfinished}");
+            self.0.unfinished_keys.set(unfinished);
         }
+        if let Some((size, idle)) = pool {
+            let idle = idle as i64;
+            let in_use = (i64::from(size) - idle).max(0);
+            for (state, value) in [("in_use", in_use), ("idle", idle)] {
+                self.0
+                    .pool_connections
+                    .get_or_create(&StateLabel { state })
+                    .set(value);
+            }
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        prometheus_client::encoding::text::encode(&mut out, &self.0.registry)
+            .expect("encoding into a String");
         out
     }
 }
@@ -261,22 +462,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counters_render_in_the_text_format() {
+    fn counters_and_histograms_render_in_the_text_format() {
         let metrics = Metrics::default();
-        metrics.claim(ClaimOutcome::Acquired);
-        metrics.claim(ClaimOutcome::Replayed);
-        metrics.claim(ClaimOutcome::Replayed);
+        metrics.claim(ClaimOutcome::Acquired, Duration::from_millis(2));
+        metrics.claim(ClaimOutcome::Replayed, Duration::from_millis(1));
+        metrics.claim(ClaimOutcome::Replayed, Duration::from_millis(1));
         metrics.charge(ChargeOutcome::Unavailable);
-        metrics.http("POST", "/rides", 201);
-        let text = metrics.render(Some(3));
-        assert!(
-            text.contains("idempotency_claims_total{outcome=\"replayed\"} 2\n"),
-            "{text}"
-        );
-        assert!(text.contains("idempotency_claims_total{outcome=\"mismatch\"} 0\n"));
-        assert!(text.contains("gateway_charges_total{outcome=\"unavailable\"} 1\n"));
-        assert!(text
-            .contains("http_requests_total{method=\"POST\",route=\"/rides\",status=\"201\"} 1\n"));
-        assert!(text.contains("idempotency_keys_unfinished 3\n"));
+        metrics.http("POST", "/rides", 201, Duration::from_millis(30));
+        metrics.http("FOOBAR", "/rides", 405, Duration::from_millis(1));
+        metrics.http("BAZ", "/rides", 405, Duration::from_millis(1));
+        let text = metrics.render(Some(3), Some((10, 7)));
+        for line in [
+            "idempotency_claims_total{outcome=\"replayed\"} 2",
+            "idempotency_claims_total{outcome=\"mismatch\"} 0",
+            "gateway_charges_total{outcome=\"unavailable\"} 1",
+            "http_requests_total{method=\"POST\",route=\"/rides\",status=\"201\"} 1",
+            "http_requests_total{method=\"OTHER\",route=\"/rides\",status=\"405\"} 2",
+            "http_request_duration_seconds_count{method=\"POST\",route=\"/rides\",status=\"201\"} 1",
+            "idempotency_claim_duration_seconds_count 3",
+            "idempotency_keys_unfinished 3",
+            "db_pool_connections{state=\"in_use\"} 3",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        assert!(!text.contains("FOOBAR"), "made-up methods are not labels");
     }
 }

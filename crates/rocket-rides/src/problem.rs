@@ -41,6 +41,30 @@ pub mod types {
     pub const INTERNAL: &str = "urn:problem:rocket-rides:internal";
 }
 
+/// The body of every error answer: RFC 9457 problem details.
+//
+// Answers are built with `idempotency_axum::Problem`; this type only describes them in the
+// OpenAPI document.
+#[derive(Debug, utoipa::ToSchema)]
+#[schema(as = Problem)]
+pub struct ProblemDocument {
+    /// A stable URN per situation; clients switch on it.
+    #[schema(rename = "type", example = "urn:problem:rocket-rides:validation")]
+    pub kind: String,
+    /// A short human summary of the situation.
+    pub title: String,
+    /// The HTTP status.
+    pub status: u16,
+    /// This occurrence, in words; never internal detail.
+    pub detail: Option<String>,
+    /// With `validation`: every failing field.
+    pub errors: Option<Vec<FieldError>>,
+    /// With `payment-declined`: the gateway's code.
+    pub decline_code: Option<String>,
+    /// With `payment-refused`: what the gateway said (`status`, `type`, `code`, `param`).
+    pub gateway_error: Option<serde_json::Value>,
+}
+
 /// How long a client should wait before retrying after the gateway failed.
 ///
 /// Short: the lease is released at once, so the retry is not refused; the wait only spares a

@@ -14,22 +14,31 @@ pub const MIN_AMOUNT_CENTS: i64 = 50;
 pub const MAX_AMOUNT_CENTS: i64 = 1_000_000;
 
 /// A validated `POST /rides` body; also the parameters stored with the key for the completer.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Its OpenAPI schema is generated from this type; the bounds in its attributes are checked
+/// against the constants below by a test.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct RideRequest {
     /// Pick-up latitude, degrees.
+    #[schema(minimum = -90, maximum = 90)]
     pub origin_lat: f64,
     /// Pick-up longitude, degrees.
+    #[schema(minimum = -180, maximum = 180)]
     pub origin_lon: f64,
     /// Drop-off latitude, degrees.
+    #[schema(minimum = -90, maximum = 90)]
     pub target_lat: f64,
     /// Drop-off longitude, degrees.
+    #[schema(minimum = -180, maximum = 180)]
     pub target_lon: f64,
     /// Price, in cents.
+    #[schema(minimum = 50, maximum = 1000000)]
     pub amount_cents: i32,
 }
 
 /// One failing field of a request body.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct FieldError {
     /// The member name.
     pub field: String,
@@ -135,7 +144,8 @@ fn amount(object: &Map<String, Value>, errors: &mut Vec<FieldError>) -> Option<i
 }
 
 /// A ride as the API shows it: the 201 body of `POST /rides` and the body of `GET /rides/{id}`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
+#[schema(as = Ride)]
 pub struct RideView {
     /// The ride's id.
     #[sqlx(rename = "id")]
@@ -144,7 +154,9 @@ pub struct RideView {
     pub amount_cents: i32,
     /// The gateway charge, once paid.
     pub charge_id: Option<String>,
-    /// `pending`, `paid` or `declined`.
+    /// `pending` (not charged yet), `payment_pending` (charged, not settled), `paid`,
+    /// `declined`, or `failed` (refused by the gateway for good).
+    #[schema(pattern = "^(pending|payment_pending|paid|declined|failed)$")]
     pub status: String,
     /// Pick-up latitude.
     pub origin_lat: f64,
@@ -156,6 +168,7 @@ pub struct RideView {
     pub target_lon: f64,
     /// Creation time, RFC 3339.
     #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
 }
 

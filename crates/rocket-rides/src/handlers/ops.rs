@@ -4,17 +4,27 @@
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use std::sync::Arc;
+
+use axum::{Extension, Json};
+use std::time::Instant;
 
 use crate::metrics::CONTENT_TYPE;
 use crate::state::AppState;
 
 /// `GET /healthz`: the process answers.
+#[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
+    responses((status = 200, description = "Alive.", body = String, content_type = "text/plain")))]
 pub async fn healthz() -> &'static str {
     "ok"
 }
 
-/// Ready when the database answers.
+/// `GET /readyz`: ready when the database answers.
+#[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
+    responses(
+        (status = 200, description = "Ready.", body = String, content_type = "text/plain"),
+        (status = 503, description = "The database does not answer.", body = String, content_type = "text/plain"),
+    ))]
 pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     match sqlx::query("SELECT 1").execute(&state.pool).await {
         Ok(_) => (http::StatusCode::OK, "ready"),
@@ -35,33 +45,42 @@ pub async fn count_requests(
     request: Request,
     next: Next,
 ) -> Response {
-    let method = request.method().as_str().to_owned();
+    let started = Instant::now();
+    let method = request.method().clone();
     let route = request
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
     let response = next.run(request).await;
+    let status = response.status().as_u16();
     state
         .metrics
-        .http(&method, &route, response.status().as_u16());
+        .http(method.as_str(), &route, status, started.elapsed());
     response
 }
 
-/// `GET /metrics`.
+/// `GET /metrics`: counters and histograms in the OpenMetrics text format.
+#[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
+    responses((status = 200, description = "OpenMetrics text.", body = String, content_type = "application/openmetrics-text")))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let unfinished: Option<i64> =
-        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL")
-            .fetch_one(&state.pool)
-            .await
-            .inspect_err(|e| tracing::warn!(error = %e, "metrics: cannot count unfinished keys"))
-            .ok();
+    let unfinished = state
+        .store
+        .count_unfinished()
+        .await
+        .inspect_err(|e| tracing::warn!(error = %e, "metrics: cannot count unfinished keys"))
+        .ok();
+    let pool = (state.pool.size(), state.pool.num_idle());
     (
         [(http::header::CONTENT_TYPE, CONTENT_TYPE)],
-        state.metrics.render(unfinished),
+        state.metrics.render(unfinished, Some(pool)),
     )
 }
 
-/// `GET /openapi.json`.
-pub async fn openapi() -> impl IntoResponse {
-    Json(crate::openapi::spec())
+/// `GET /openapi.json`: this document, generated from the handlers and types.
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", security(()),
+    responses((status = 200, description = "OpenAPI 3.1.", body = Object)))]
+pub async fn openapi(
+    Extension(doc): Extension<Arc<utoipa::openapi::OpenApi>>,
+) -> impl IntoResponse {
+    Json(doc)
 }

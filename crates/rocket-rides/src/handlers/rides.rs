@@ -8,15 +8,40 @@ use axum::response::{IntoResponse, Response};
 use idempotency::{Claim, Fingerprint, Lease, NewRequest};
 use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
 use serde_json::{json, Value};
+use tracing::Instrument;
 
 use crate::auth::AuthUser;
 use crate::booking::{self, BookingError, RidePoint};
 use crate::metrics::ClaimOutcome;
 use crate::problem::ApiError;
-use crate::ride::{RideRequest, RideView, RIDES_ROUTE};
+use crate::problem::ProblemDocument as Problem;
+use crate::ride::{RideRequest, RideView, RideView as Ride, RIDES_ROUTE};
 use crate::state::AppState;
 
-/// `POST /rides`.
+/// `POST /rides`: books a ride and charges the user's card, once per `Idempotency-Key`.
+#[utoipa::path(
+    post,
+    path = "/rides",
+    tag = "rides",
+    params(("Idempotency-Key" = String, Header, description = "The request's key: 1 to 255 visible ASCII characters, as a Structured Field string (`\"…\"`) or bare. The same key with the same body finishes the first request or replays its answer.")),
+    request_body(content = RideRequest, content_type = "application/json"),
+    responses(
+        (status = 201, description = "Booked and paid. A replay repeats the first answer byte for byte and adds `Idempotent-Replayed: true`.", body = Ride,
+         headers(("Location" = String, description = "`/rides/{id}`"), ("Idempotent-Replayed" = String, description = "`true` on a replay"))),
+        (status = 400, description = "`urn:problem:idempotency:key-missing` or `…:key-invalid` (the header), `urn:problem:rocket-rides:bad-json` or `…:validation` with `errors` (the body). Nothing is written.", body = Problem, content_type = "application/problem+json"),
+        (status = 401, description = "`urn:problem:rocket-rides:unauthorized`: no valid `Authorization: Bearer <api key>`.", body = Problem, content_type = "application/problem+json"),
+        (status = 402, description = "`urn:problem:rocket-rides:payment-declined`: the card was declined. Stored and replayed.", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`urn:problem:idempotency:key-in-flight` (another request holds the key) or `urn:problem:rocket-rides:lease-lost`. Retry with the same key after `Retry-After`.", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        (status = 413, description = "`urn:problem:rocket-rides:body-too-large`. Nothing is written.", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "`urn:problem:idempotency:key-reused`: the key was used with another body. Nothing changes.", body = Problem, content_type = "application/problem+json"),
+        (status = 500, description = "`urn:problem:rocket-rides:internal`: retry with the same key.", body = Problem, content_type = "application/problem+json"),
+        (status = 502, description = "`urn:problem:rocket-rides:payment-refused`: the gateway refused the charge for good; `gateway_error` says what it said. Stored and replayed.", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`urn:problem:rocket-rides:gateway-unavailable`, `…:payment-pending` or `…:shutting-down`: retry with the same key after `Retry-After`.", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ),
+    security(("api_key" = []))
+)]
 pub async fn create(
     State(state): State<AppState>,
     user: AuthUser,
@@ -36,30 +61,38 @@ pub async fn create(
     // From the claim on, the request runs in a task of its own. If the client hangs up, hyper
     // drops the handler's future; were the claim, a phase or the release dropped with it, the key
     // would stay locked until its lease expired. The task finishes what it started.
-    let task = tokio::spawn(async move {
-        let fingerprint = Fingerprint::of_json("POST", RIDES_ROUTE, &json);
-        let claim = state
-            .store
-            .claim::<RidePoint>(NewRequest {
-                user_id: user.id,
-                method: "POST",
-                route: RIDES_ROUTE,
-                key: &key,
-                fingerprint,
-                params: &params,
-            })
-            .await?;
-        state.metrics.claim(match &claim {
-            Claim::Acquired(_) => ClaimOutcome::Acquired,
-            Claim::Replay(_) => ClaimOutcome::Replayed,
-            Claim::Mismatch => ClaimOutcome::Mismatch,
-            Claim::InFlight { .. } => ClaimOutcome::InFlight,
-        });
-        match acquired_or_respond(claim) {
-            Ok(lease) => book(&state, lease).await,
-            Err(refusal) => Ok(refusal),
+    // The task logs in the request's span, so its lines carry the request id.
+    let task = tokio::spawn(
+        async move {
+            let fingerprint = Fingerprint::of_json("POST", RIDES_ROUTE, &json);
+            let started = std::time::Instant::now();
+            let claim = state
+                .store
+                .claim::<RidePoint>(NewRequest {
+                    user_id: user.id,
+                    method: "POST",
+                    route: RIDES_ROUTE,
+                    key: &key,
+                    fingerprint,
+                    params: &params,
+                })
+                .await?;
+            state.metrics.claim(
+                match &claim {
+                    Claim::Acquired(_) => ClaimOutcome::Acquired,
+                    Claim::Replay(_) => ClaimOutcome::Replayed,
+                    Claim::Mismatch => ClaimOutcome::Mismatch,
+                    Claim::InFlight { .. } => ClaimOutcome::InFlight,
+                },
+                started.elapsed(),
+            );
+            match acquired_or_respond(claim) {
+                Ok(lease) => book(&state, lease).await,
+                Err(refusal) => Ok(refusal),
+            }
         }
-    });
+        .instrument(tracing::Span::current()),
+    );
     task.await
         .map_err(|e| ApiError::Internal(format!("booking task failed: {e}")))?
 }
@@ -108,6 +141,18 @@ async fn book(state: &AppState, mut lease: Lease<RidePoint>) -> Result<Response,
 }
 
 /// `GET /rides/{id}`: the owner's ride; 404 for everyone else, so ids reveal nothing.
+#[utoipa::path(
+    get,
+    path = "/rides/{id}",
+    tag = "rides",
+    params(("id" = i64, Path, description = "The ride's id")),
+    responses(
+        (status = 200, description = "The ride.", body = Ride),
+        (status = 401, description = "`urn:problem:rocket-rides:unauthorized`.", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "`urn:problem:rocket-rides:not-found`: no such ride of this user.", body = Problem, content_type = "application/problem+json"),
+    ),
+    security(("api_key" = []))
+)]
 pub async fn show(
     State(state): State<AppState>,
     user: AuthUser,

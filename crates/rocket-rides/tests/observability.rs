@@ -1,0 +1,107 @@
+//! What an operator sees: request ids on every answer and in every log line of a request, and
+//! logs as JSON lines.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::{TestApp, RIDE};
+use serde_json::Value;
+use sqlx::PgPool;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+#[sqlx::test(migrations = false)]
+async fn every_answer_carries_a_request_id_taken_from_the_request_or_generated(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let ask = |id: Option<String>| {
+        let mut request = app.http.get(format!("{}/healthz", app.base));
+        if let Some(id) = id {
+            request = request.header("x-request-id", id);
+        }
+        request.send()
+    };
+    let echoed = ask(Some("client-chosen-1".into())).await.unwrap();
+    assert_eq!(echoed.headers()["x-request-id"], "client-chosen-1");
+
+    let generated = ask(None).await.unwrap();
+    let id = generated.headers()["x-request-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(idempotency::Uuid::parse_str(&id).is_ok(), "a UUID: {id}");
+
+    // A client cannot make every log line of its request arbitrarily long.
+    let long = "x".repeat(rocket_rides::app::MAX_REQUEST_ID_LEN + 1);
+    let replaced = ask(Some(long.clone())).await.unwrap();
+    let id = replaced.headers()["x-request-id"].to_str().unwrap();
+    assert_ne!(id, long);
+    assert!(idempotency::Uuid::parse_str(id).is_ok());
+}
+
+#[sqlx::test(migrations = false)]
+async fn json_logs_are_one_object_per_line_and_every_line_of_a_request_names_it(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // A real `serve` process whose gateway refuses its secret key: the booking, which runs in a
+    // task of its own, logs an error in the request's span.
+    let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
+        .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
+        .env("DATABASE_URL", common::url_of(&app.pool).await)
+        .env("STRIPE_API_BASE", app.state.stripe.base())
+        .env("STRIPE_API_KEY", "not-a-secret-key")
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(serve.stderr.take().unwrap()).lines();
+    let mut logged: Vec<Value> = Vec::new();
+    let address = loop {
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("serve logs within 30 s")
+            .unwrap()
+            .expect("serve is running");
+        let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        if event["fields"]["message"] == "serving" {
+            break event["fields"]["address"].as_str().unwrap().to_owned();
+        }
+        logged.push(event);
+    };
+
+    let reply = app
+        .http
+        .post(format!("http://{address}/rides"))
+        .bearer_auth(&api_key)
+        .header("idempotency-key", "k-1")
+        .header("content-type", "application/json")
+        .header("x-request-id", "req-observed-1")
+        .body(RIDE)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 503);
+    assert_eq!(reply.headers()["x-request-id"], "req-observed-1");
+    serve.start_kill().unwrap();
+    while let Ok(Some(line)) = lines.next_line().await {
+        let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        logged.push(event);
+    }
+    let of_request: Vec<&Value> = logged
+        .iter()
+        .filter(|e| e["span"]["request_id"] == "req-observed-1")
+        .collect();
+    let messages: Vec<&str> = of_request
+        .iter()
+        .filter_map(|e| e["fields"]["message"].as_str())
+        .collect();
+    assert!(
+        messages.contains(&"payment gateway misconfigured"),
+        "the detached booking logs in the request's span: {messages:?}"
+    );
+    assert!(
+        messages.contains(&"finished processing request"),
+        "{messages:?}"
+    );
+}
