@@ -780,11 +780,15 @@ async fn finish(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
         .await
         .map_err(db("load ride"))?
         .ok_or_else(|| BookingError::Internal(format!("no ride for key {key_id}")))?;
-    sqlx::query("INSERT INTO staged_jobs (job_name, job_args) VALUES ('send_ride_receipt', $1)")
-        .bind(json!({ "ride_id": ride.ride_id }))
-        .execute(phase.conn())
-        .await
-        .map_err(db("stage receipt job"))?;
+    sqlx::query(
+        "INSERT INTO staged_jobs (user_id, job_name, job_args)
+         VALUES ($1, 'send_ride_receipt', $2)",
+    )
+    .bind(user_id)
+    .bind(json!({ "ride_id": ride.ride_id }))
+    .execute(phase.conn())
+    .await
+    .map_err(db("stage receipt job"))?;
     let response = StoredResponse::json(
         201,
         &serde_json::to_value(&ride).map_err(|e| BookingError::Internal(e.to_string()))?,

@@ -99,6 +99,11 @@ enum Command {
         #[command(subcommand)]
         command: KeysCommand,
     },
+    /// Inspect staged jobs that could not be run.
+    Jobs {
+        #[command(subcommand)]
+        command: JobsCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -140,6 +145,19 @@ enum KeysCommand {
         db: DatabaseArgs,
         /// The key row's id.
         id: i64,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum JobsCommand {
+    /// List the jobs moved aside because they cannot be run, newest first, one JSON object per
+    /// line, with the error of each.
+    List {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// How many.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+        limit: i64,
     },
 }
 
@@ -231,6 +249,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 tracing::info!("worker running");
                 crate::worker::run(&state, &worker, stopping).await;
                 tracing::info!("stopped");
+            }
+        }
+        Command::Jobs {
+            command: JobsCommand::List { db, limit },
+        } => {
+            let pool = connect(&db, 2).await?;
+            for job in crate::worker::outbox::failed_jobs(&pool, limit).await? {
+                println!("{}", serde_json::to_string(&job)?);
             }
         }
         Command::Keys { command } => {

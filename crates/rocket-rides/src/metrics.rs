@@ -14,7 +14,7 @@
 //! | `payments_refused_total` | counter | |
 //! | `idempotency_leases_lost_total` | counter | |
 //! | `completer_keys_total` | counter | `outcome`: claimed, finished, retried, lost, undecodable |
-//! | `outbox_receipts_delivered_total`, `reaper_keys_deleted_total` | counter | |
+//! | `outbox_receipts_delivered_total`, `outbox_jobs_failed_total`, `reaper_keys_deleted_total` | counter | |
 //! | `idempotency_keys_unfinished` | gauge | read from the database at scrape time, true across every process |
 //! | `db_pool_connections` | gauge | `state`: in_use, idle (this process's pool, at scrape time) |
 //!
@@ -200,6 +200,7 @@ struct Inner {
     leases_lost: Counter,
     completer: Family<OutcomeLabel, Counter>,
     receipts_delivered: Counter,
+    jobs_failed: Counter,
     keys_reaped: Counter,
     unfinished_keys: Gauge,
     pool_connections: Family<StateLabel, Gauge>,
@@ -288,6 +289,12 @@ impl Default for Metrics {
             "Ride receipts the outbox drain delivered",
             receipts_delivered.clone(),
         );
+        let jobs_failed = Counter::default();
+        registry.register(
+            "outbox_jobs_failed",
+            "Staged jobs that could not be run and were moved to failed_jobs",
+            jobs_failed.clone(),
+        );
         let keys_reaped = Counter::default();
         registry.register(
             "reaper_keys_deleted",
@@ -331,6 +338,7 @@ impl Default for Metrics {
             leases_lost,
             completer,
             receipts_delivered,
+            jobs_failed,
             keys_reaped,
             unfinished_keys,
             pool_connections,
@@ -405,6 +413,11 @@ impl Metrics {
     /// Counts receipts the outbox drain delivered.
     pub fn receipts_delivered(&self, n: u64) {
         self.0.receipts_delivered.inc_by(n);
+    }
+
+    /// Counts staged jobs moved aside.
+    pub fn jobs_failed(&self, n: u64) {
+        self.0.jobs_failed.inc_by(n);
     }
 
     /// Counts keys the reaper deleted.

@@ -469,7 +469,7 @@ async fn the_database_itself_refuses_a_second_ride_per_key_and_a_charge_on_two_r
                                           target_lat, target_lon, amount_cents)
                        SELECT user_id, charge_id, 'paid', 0, 0, 0, 0, 100 FROM rides WHERE id = $1";
     for (sql, constraint) in [
-        (same_key, "rides_idempotency_key_id_key"),
+        (same_key, "rides_idempotency_key_unique"),
         (same_charge, "rides_charge_id_key"),
     ] {
         let err = sqlx::query(sql)

@@ -102,7 +102,10 @@ async fn the_completer_finishes_keys_abandoned_at_each_recovery_point(pool: PgPo
         assert!(reply.replayed());
     }
     // And the receipts of the completed rides go out.
-    assert_eq!(outbox::run_once(&app.state, 100).await.unwrap(), 3);
+    assert_eq!(
+        outbox::run_once(&app.state, 100).await.unwrap().delivered,
+        3
+    );
     assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 3);
 }
 
@@ -323,8 +326,14 @@ async fn a_drain_that_fails_between_effect_and_delete_loses_no_receipt_and_makes
     assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 0);
     assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 2);
 
-    assert_eq!(outbox::run_once(&app.state, 100).await.unwrap(), 2);
-    assert_eq!(outbox::run_once(&app.state, 100).await.unwrap(), 0);
+    assert_eq!(
+        outbox::run_once(&app.state, 100).await.unwrap().delivered,
+        2
+    );
+    assert_eq!(
+        outbox::run_once(&app.state, 100).await.unwrap().delivered,
+        0
+    );
     assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 2);
     assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 0);
 }
@@ -337,12 +346,16 @@ async fn a_job_delivered_twice_makes_one_receipt(pool: PgPool) {
     // The same job again, as a drain that died after its effect and before its commit of the
     // delete would leave it if effect and delete were not one transaction.
     sqlx::query(
-        "INSERT INTO staged_jobs (job_name, job_args) SELECT job_name, job_args FROM staged_jobs",
+        "INSERT INTO staged_jobs (user_id, job_name, job_args)
+         SELECT user_id, job_name, job_args FROM staged_jobs",
     )
     .execute(&app.pool)
     .await
     .unwrap();
-    assert_eq!(outbox::run_once(&app.state, 100).await.unwrap(), 2);
+    assert_eq!(
+        outbox::run_once(&app.state, 100).await.unwrap().delivered,
+        2
+    );
     assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 1);
 }
 
@@ -362,7 +375,7 @@ async fn two_drains_at_once_deliver_every_receipt_exactly_once(pool: PgPool) {
             barrier.wait().await;
             let mut delivered = 0;
             loop {
-                match outbox::run_once(&app.state, 3).await.unwrap() {
+                match outbox::run_once(&app.state, 3).await.unwrap().delivered {
                     0 => return delivered,
                     n => delivered += n,
                 }
@@ -628,4 +641,66 @@ async fn the_completer_finishes_a_key_the_gateway_refuses_for_good_instead_of_re
     assert!(late.replayed());
     assert_eq!(late.problem_type(), types::PAYMENT_REFUSED);
     assert_eq!(app.charges().await, 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_job_that_cannot_run_is_moved_aside_and_the_others_are_delivered(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // A job with unreadable arguments, staged before any good one: first in every batch.
+    sqlx::query(
+        "INSERT INTO staged_jobs (user_id, job_name, job_args)
+         VALUES ($1, 'send_ride_receipt', '{\"ride\": \"seven\"}')",
+    )
+    .bind(user_id)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    for key in ["k-1", "k-2"] {
+        assert_eq!(
+            app.post_ride(Some(&api_key), Some(key), RIDE).await.status,
+            201
+        );
+    }
+    let drained = outbox::run_once(&app.state, 100).await.unwrap();
+    assert_eq!(
+        drained,
+        outbox::Drained {
+            delivered: 2,
+            failed: 1
+        }
+    );
+    assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 2);
+    assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 0);
+    // The next drain finds nothing left to do: the bad job no longer stands in the way.
+    assert_eq!(
+        outbox::run_once(&app.state, 100).await.unwrap(),
+        outbox::Drained::default()
+    );
+    let failed = outbox::failed_jobs(&app.pool, 10).await.unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].user_id, Some(user_id));
+    assert!(
+        failed[0].error.contains("unreadable arguments"),
+        "{}",
+        failed[0].error
+    );
+    let metrics = app.state.metrics.render(None, None);
+    assert!(metrics.contains("outbox_jobs_failed_total 1"), "{metrics}");
+
+    // An operator lists them with `rocket-rides jobs list`.
+    let listed = tokio::process::Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
+        .args(["jobs", "list"])
+        .env("DATABASE_URL", common::url_of(&app.pool).await)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let line: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(line["job_name"], "send_ride_receipt");
+    assert_eq!(line["job_args"]["ride"], "seven");
 }

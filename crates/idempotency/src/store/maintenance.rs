@@ -13,17 +13,24 @@ use uuid::Uuid;
 use super::model::{lease_from_row, Lease, RecoveryPoint, Store};
 use crate::Error;
 
+/// How many candidates the completer reads per key it wants: the read takes no locks, so some
+/// candidates are being claimed by other completers (and are skipped); reading more keeps them
+/// from ending a pass early.
+const CANDIDATES_PER_CLAIM: i64 = 4;
+
 impl Store {
     /// Acquires up to `limit` keys of one route (`method`, `route`) that their requests
     /// abandoned: unfinished, lease free or expired, last attempted more than `grace` ago (or
-    /// already worked by a completer), and past their backoff. This is how a completer claims; each returned lease has a fresh
-    /// fencing token, exactly as a request's claim would. A row whose recovery point the
-    /// application does not know comes back as an error in its place (its lease expires on its
-    /// own), so one bad row cannot stop the others.
+    /// already worked by a completer), and past their backoff. This is how a completer claims;
+    /// each returned lease has a fresh fencing token, exactly as a request's claim would. A row
+    /// whose recovery point the application does not know comes back as an error in its place
+    /// (its lease expires on its own), so one bad row cannot stop the others.
     ///
-    /// `FOR UPDATE SKIP LOCKED` lets several completers run at once without waiting on each
-    /// other or taking the same key: a row locked by one is skipped by the others, and a row
-    /// whose lease a request takes meanwhile no longer matches when re-checked under the lock.
+    /// Two steps, so that every write is addressed to one user (one shard, once the table is
+    /// distributed by user): a read of candidates across users, without locks; then, per
+    /// candidate, a claim under `FOR UPDATE SKIP LOCKED` that checks the conditions again. Several
+    /// completers never wait on each other nor take the same key: a row locked by one is skipped
+    /// by the others, and a row that a request took meanwhile no longer matches.
     pub async fn claim_abandoned<P: RecoveryPoint>(
         &self,
         method: &str,
@@ -31,47 +38,76 @@ impl Store {
         grace: Duration,
         limit: i64,
     ) -> Result<Vec<Result<Lease<P>, Error>>, Error> {
-        let rows = sqlx::query(
+        let context = || format!("claim abandoned keys of {method} {route}");
+        let now = self.now();
+        let grace = grace.as_millis().min(i64::MAX as u128) as i64;
+        let candidates: Vec<(i64, i64)> = sqlx::query_as(
             r#"
-            WITH abandoned AS (
-                SELECT id FROM idempotency_keys
-                WHERE finished_at IS NULL
-                  AND request_method = $5 AND request_path = $6
-                  AND (locked_until IS NULL OR locked_until <= coalesce($1::timestamptz, now()))
-                  -- The grace, from the last attempt, protects a client still retrying its own
-                  -- key; once a completer has worked the key, only its backoff applies.
-                  AND (completer_attempts > 0
-                       OR last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
-                  AND (next_attempt_at IS NULL OR next_attempt_at <= coalesce($1::timestamptz, now()))
-                ORDER BY last_run_at
-                LIMIT $3
-                FOR UPDATE SKIP LOCKED
-            )
-            UPDATE idempotency_keys k
-            SET lease_token        = k.lease_token + 1,
-                attempts           = k.attempts + 1,
-                completer_attempts = k.completer_attempts + 1,
-                locked_until       = coalesce($1::timestamptz, now()) + $4 * interval '1 millisecond',
-                last_run_at        = coalesce($1::timestamptz, now())
-            FROM abandoned
-            WHERE k.id = abandoned.id
-            RETURNING k.id, k.request_uuid, k.user_id, k.lease_token, k.attempts,
-                      k.completer_attempts, k.recovery_point, k.request_params, k.locked_until
+            -- all users: a read of candidates, without locks; each is claimed below by user.
+            SELECT user_id, id FROM idempotency_keys
+            WHERE finished_at IS NULL
+              AND request_method = $4 AND request_path = $5
+              AND (locked_until IS NULL OR locked_until <= coalesce($1::timestamptz, now()))
+              -- The grace, from the last attempt, protects a client still retrying its own key;
+              -- once a completer has worked the key, only its backoff applies.
+              AND (completer_attempts > 0
+                   OR last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
+              AND (next_attempt_at IS NULL OR next_attempt_at <= coalesce($1::timestamptz, now()))
+            ORDER BY last_run_at
+            LIMIT $3
             "#,
         )
-        .bind(self.now())
-        .bind(grace.as_millis().min(i64::MAX as u128) as i64)
-        .bind(limit.clamp(1, 10_000))
-        .bind(self.ttl_millis())
+        .bind(now)
+        .bind(grace)
+        .bind(limit.clamp(1, 10_000) * CANDIDATES_PER_CLAIM)
         .bind(method)
         .bind(route)
         .fetch_all(&self.pool)
         .await
-        .map_err(Error::db(format!("claim abandoned keys of {method} {route}")))?;
-        Ok(rows
-            .iter()
-            .map(|row| lease_from_row(row, row.get("user_id")))
-            .collect())
+        .map_err(Error::db(context()))?;
+        let limit = usize::try_from(limit.clamp(1, 10_000)).unwrap_or(1);
+        let mut leases = Vec::with_capacity(limit);
+        for (user_id, key_id) in candidates {
+            if leases.len() == limit {
+                break;
+            }
+            let row = sqlx::query(
+                r#"
+                WITH abandoned AS (
+                    SELECT id FROM idempotency_keys
+                    WHERE user_id = $4 AND id = $5
+                      AND finished_at IS NULL
+                      AND (locked_until IS NULL OR locked_until <= coalesce($1::timestamptz, now()))
+                      AND (completer_attempts > 0
+                           OR last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
+                      AND (next_attempt_at IS NULL OR next_attempt_at <= coalesce($1::timestamptz, now()))
+                    FOR UPDATE SKIP LOCKED
+                )
+                UPDATE idempotency_keys k
+                SET lease_token        = k.lease_token + 1,
+                    attempts           = k.attempts + 1,
+                    completer_attempts = k.completer_attempts + 1,
+                    locked_until       = coalesce($1::timestamptz, now()) + $3 * interval '1 millisecond',
+                    last_run_at        = coalesce($1::timestamptz, now())
+                FROM abandoned
+                WHERE k.user_id = $4 AND k.id = abandoned.id
+                RETURNING k.id, k.request_uuid, k.user_id, k.lease_token, k.attempts,
+                          k.completer_attempts, k.recovery_point, k.request_params, k.locked_until
+                "#,
+            )
+            .bind(now)
+            .bind(grace)
+            .bind(self.ttl_millis())
+            .bind(user_id)
+            .bind(key_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(Error::db(context()))?;
+            if let Some(row) = row {
+                leases.push(lease_from_row(&row, user_id));
+            }
+        }
+        Ok(leases)
     }
 
     /// Gives the lease up after a failed completer attempt and keeps completers away from the
@@ -111,45 +147,72 @@ impl Store {
 
     /// Deletes up to `limit` keys that finished more than `retention` ago; returns how many.
     ///
-    /// Unfinished keys are never touched, whatever their age: they still owe a result. Each call
-    /// is one short statement, so a reaper that loops over batches holds no long locks; rows that
-    /// another transaction has locked are skipped until the next pass.
+    /// Unfinished keys are never touched, whatever their age: they still owe a result. A read
+    /// of candidates across users comes first, then one short `DELETE` per user (one shard once
+    /// the table is distributed by user) that checks the age again; no statement holds many
+    /// locks for long.
     pub async fn reap_finished(&self, retention: Duration, limit: i64) -> Result<u64, Error> {
-        let deleted = sqlx::query(
+        let now = self.now();
+        let retention = retention.as_millis().min(i64::MAX as u128) as i64;
+        let candidates: Vec<(i64, i64)> = sqlx::query_as(
             r#"
-            DELETE FROM idempotency_keys
-            WHERE id IN (
-                SELECT id FROM idempotency_keys
-                WHERE finished_at IS NOT NULL
-                  AND finished_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
-                ORDER BY finished_at
-                LIMIT $3
-                FOR UPDATE SKIP LOCKED
-            )
+            -- all users: a read of candidates, without locks; each user's are deleted below.
+            SELECT user_id, id FROM idempotency_keys
+            WHERE finished_at IS NOT NULL
+              AND finished_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
+            ORDER BY finished_at
+            LIMIT $3
             "#,
         )
-        .bind(self.now())
-        .bind(retention.as_millis().min(i64::MAX as u128) as i64)
+        .bind(now)
+        .bind(retention)
         .bind(limit.clamp(1, 100_000))
-        .execute(&self.pool)
+        .fetch_all(&self.pool)
         .await
-        .map_err(Error::db("reap finished keys"))?;
-        Ok(deleted.rows_affected())
+        .map_err(Error::db("find finished keys to reap"))?;
+        let mut by_user: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
+        for (user_id, key_id) in candidates {
+            by_user.entry(user_id).or_default().push(key_id);
+        }
+        let mut reaped = 0;
+        for (user_id, key_ids) in by_user {
+            let deleted = sqlx::query(
+                r#"
+                DELETE FROM idempotency_keys
+                WHERE user_id = $1 AND id = ANY($2)
+                  AND finished_at IS NOT NULL
+                  AND finished_at < coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+                "#,
+            )
+            .bind(user_id)
+            .bind(&key_ids)
+            .bind(now)
+            .bind(retention)
+            .execute(&self.pool)
+            .await
+            .map_err(Error::db(format!("reap finished keys of user {user_id}")))?;
+            reaped += deleted.rows_affected();
+        }
+        Ok(reaped)
     }
 
     /// How many keys are unfinished, across every user: the gauge an operator alerts on.
     pub async fn count_unfinished(&self) -> Result<i64, Error> {
-        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL")
-            .fetch_one(&self.pool)
-            .await
-            .map_err(Error::db("count unfinished keys"))
+        sqlx::query_scalar(
+            "-- all users: an operator's gauge.
+             SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .map_err(Error::db("count unfinished keys"))
     }
 
     /// Reads one key by id, for an operator's inspection (`keys show`) and tests. Unlike the
     /// request path, this look-up crosses users.
     pub async fn find(&self, key_id: i64) -> Result<Option<KeyRecord>, Error> {
         let row = sqlx::query(&format!(
-            "SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys WHERE id = $1"
+            "-- all users: an operator's look-up by id.
+             SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys WHERE id = $1"
         ))
         .bind(key_id)
         .fetch_optional(&self.pool)
@@ -168,7 +231,8 @@ impl Store {
             KeyFilter::FinishedWith(status) => ("WHERE response_status = $2", Some(status)),
         };
         let rows = sqlx::query(&format!(
-            "SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys {clause} ORDER BY id DESC LIMIT $1"
+            "-- all users: an operator's listing.
+             SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys {clause} ORDER BY id DESC LIMIT $1"
         ))
         .bind(limit.clamp(1, 10_000))
         .bind(status.map(|s| s as i16))

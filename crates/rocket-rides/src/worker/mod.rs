@@ -42,7 +42,7 @@ pub async fn run_once(state: &AppState, settings: &WorkerArgs) -> Result<(), Wor
     let reaped = reaper::run_once(state, settings)
         .await
         .map_err(WorkerError::Reaper)?;
-    tracing::info!(?completed, delivered, reaped, "worker pass done");
+    tracing::info!(?completed, ?delivered, reaped, "worker pass done");
     Ok(())
 }
 
