@@ -12,6 +12,7 @@
 #        data dir  ${ROCKET_RIDES_PGDATA:-/var/tmp/rocket-rides-pg}
 #        port      ${ROCKET_RIDES_PGPORT:-54329}, listening on 127.0.0.1 only
 #   4. no server binaries: apt-get install postgresql (root or sudo), then 3.
+# The server must be PostgreSQL 15 or later: an older one is passed over (2.) or refused.
 #
 # All progress/diagnostics go to stderr. Idempotent: a second call reuses the
 # running server and returns quickly.
@@ -111,11 +112,22 @@ can_query() {
     PGCONNECT_TIMEOUT=5 "$PSQL" -w -Atc 'select 1' "$@" </dev/null >/dev/null 2>&1
 }
 
+# The migrations need PostgreSQL 15 or later (ON DELETE SET NULL (column)).
+MIN_VERSION_NUM=150000
+# Is the server behind this connection new enough?
+new_enough() {
+    local v
+    v=$(PGCONNECT_TIMEOUT=5 "$PSQL" -w -Atc 'show server_version_num' "$@" </dev/null 2>/dev/null) || return 1
+    [[ $v =~ ^[0-9]+$ ]] && ((v >= MIN_VERSION_NUM))
+}
+
 # ------------------------------------------------- 1. existing DATABASE_URL
 
 if [[ -n ${DATABASE_URL:-} ]]; then
     ensure_psql
     if can_query "$DATABASE_URL"; then
+        new_enough "$DATABASE_URL" ||
+            die "the server of DATABASE_URL is older than PostgreSQL 15, which the migrations need"
         emit "$DATABASE_URL"
     fi
     log "DATABASE_URL is set but does not answer 'select 1'; looking for another server"
@@ -126,7 +138,10 @@ fi
 if [[ ${ROCKET_RIDES_PRIVATE_PG:-0} != 1 ]]; then
     ensure_psql
     if can_query -h 127.0.0.1 -p "$PROBE_PORT" -U postgres -d postgres; then
-        emit "postgres://postgres@127.0.0.1:$PROBE_PORT/postgres"
+        if new_enough -h 127.0.0.1 -p "$PROBE_PORT" -U postgres -d postgres; then
+            emit "postgres://postgres@127.0.0.1:$PROBE_PORT/postgres"
+        fi
+        log "the server on 127.0.0.1:$PROBE_PORT is older than PostgreSQL 15; using a private cluster"
     fi
     log "no trust-auth server on 127.0.0.1:$PROBE_PORT; using a private cluster"
 fi
@@ -238,5 +253,7 @@ done
 PSQL=$BINDIR/psql
 can_query -h 127.0.0.1 -p "$PRIVATE_PORT" -U postgres -d postgres ||
     die "private cluster in $PRIVATE_DATA does not accept connections on 127.0.0.1:$PRIVATE_PORT after ${WAIT_SECS}s (log: $LOGFILE; a stale postmaster.pid may need removing)"
+new_enough -h 127.0.0.1 -p "$PRIVATE_PORT" -U postgres -d postgres ||
+    die "the installed PostgreSQL ($BINDIR) is older than 15, which the migrations need; install PostgreSQL 15 or later, or set DATABASE_URL"
 
 emit "postgres://postgres@127.0.0.1:$PRIVATE_PORT/postgres"
