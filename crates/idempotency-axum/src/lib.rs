@@ -26,5 +26,5 @@ pub use layer::IdempotencyLayer;
 pub use problem::{retry_after_seconds, Problem, PROBLEM_JSON};
 pub use replay::{
     acquired_or_respond, replayed_response, stored_response, IDEMPOTENT_REPLAYED,
-    KEY_IN_FLIGHT_DETAIL, KEY_REUSED_DETAIL,
+    KEY_IN_FLIGHT_DETAIL, KEY_REUSED_DETAIL, MAX_IN_FLIGHT_RETRY_AFTER,
 };

@@ -23,6 +23,10 @@ pub mod types {
     pub const BODY_TOO_LARGE: &str = "urn:problem:idempotency:body-too-large";
     /// The key store failed; nothing was decided (500).
     pub const STORE_FAILED: &str = "urn:problem:idempotency:store-failed";
+    /// The body could not be read (400).
+    pub const BAD_BODY: &str = "urn:problem:idempotency:bad-body";
+    /// The handler failed or panicked; the key was released (500).
+    pub const HANDLER_FAILED: &str = "urn:problem:idempotency:handler-failed";
 }
 
 /// A problem+json response. Building one has no side effects: log before you return it.

@@ -1,5 +1,7 @@
 //! Stored responses onto the wire, and refused claims into responses.
 
+use std::time::Duration;
+
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderName, HeaderValue, StatusCode};
@@ -17,6 +19,11 @@ pub const KEY_REUSED_DETAIL: &str =
 /// Detail of the 409 for a key whose request is still being processed.
 pub const KEY_IN_FLIGHT_DETAIL: &str =
     "a request with this Idempotency-Key is being processed; retry after the indicated time";
+
+/// The longest `Retry-After` of a 409 for a key in flight. A live holder finishes in
+/// milliseconds, so the client is told to come back soon; a dead holder's lease lasts its whole
+/// TTL, and the client then asks every two seconds until it is taken over.
+pub const MAX_IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(2);
 
 /// The first delivery of a stored response: exactly what later replays will repeat.
 pub fn stored_response(stored: &StoredResponse) -> Response {
@@ -73,7 +80,7 @@ pub fn acquired_or_respond<P: RecoveryPoint>(claim: Claim<P>) -> Result<Lease<P>
             "Request in progress",
         )
         .with_detail(KEY_IN_FLIGHT_DETAIL)
-        .with_retry_after(retry_after)
+        .with_retry_after(retry_after.min(MAX_IN_FLIGHT_RETRY_AFTER))
         .into_response()),
     }
 }

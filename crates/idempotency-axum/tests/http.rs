@@ -106,13 +106,17 @@ async fn refused_claims_map_to_422_and_409_with_retry_after() {
     assert_eq!(mismatch.status(), StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(problem_type(mismatch).await, types::KEY_REUSED);
 
-    let in_flight = Claim::InFlight {
-        retry_after: Duration::from_secs(7),
-    };
-    let conflict = acquired_or_respond::<OneStep>(in_flight).unwrap_err();
-    assert_eq!(conflict.status(), StatusCode::CONFLICT);
-    assert_eq!(conflict.headers()["retry-after"], "7");
-    assert_eq!(problem_type(conflict).await, types::KEY_IN_FLIGHT);
+    // A lease with 7 s left: the client is told to come back in 2 s, not 7 (a live holder is
+    // done in milliseconds). Less than that left: the time left, rounded up.
+    for (left, told) in [(7_000, "2"), (1_200, "2"), (300, "1")] {
+        let in_flight = Claim::InFlight {
+            retry_after: Duration::from_millis(left),
+        };
+        let conflict = acquired_or_respond::<OneStep>(in_flight).unwrap_err();
+        assert_eq!(conflict.status(), StatusCode::CONFLICT);
+        assert_eq!(conflict.headers()["retry-after"], told, "{left} ms left");
+        assert_eq!(problem_type(conflict).await, types::KEY_IN_FLIGHT);
+    }
 }
 
 #[test]

@@ -188,3 +188,265 @@ async fn keys_of_different_users_do_not_meet(pool: PgPool) {
     assert!(headers.get("idempotent-replayed").is_none());
     assert_eq!(orders.calls.load(Ordering::SeqCst), 2);
 }
+
+/// A layer whose user is `1`, over `router`.
+fn layer_for(pool: &PgPool) -> IdempotencyLayer {
+    let store = Store::new(
+        pool.clone(),
+        Arc::new(DatabaseClock),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    IdempotencyLayer::new(store, |_| Ok(1))
+}
+
+async fn post_with(app: &Router, path: &str, key: &str, body: Body) -> Response {
+    let request = Request::post(path)
+        .header("content-type", "application/json")
+        .header("idempotency-key", key)
+        .body(body)
+        .unwrap();
+    app.clone().oneshot(request).await.unwrap()
+}
+
+async fn read(response: Response) -> (StatusCode, bool, Vec<u8>) {
+    let replayed = response.headers().get("idempotent-replayed").is_some();
+    let status = response.status();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, replayed, body.to_vec())
+}
+
+/// A handler that counts its calls and answers with its call number.
+fn counting() -> (
+    Arc<AtomicUsize>,
+    impl Fn() -> Response + Clone + Send + Sync + 'static,
+) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let handler = move || {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        (StatusCode::CREATED, format!("call {n}")).into_response()
+    };
+    (calls, handler)
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_concrete_path_and_query_are_part_of_the_scope(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let (calls, handler) = counting();
+    let app = Router::new()
+        .route(
+            "/accounts/{id}/transfers",
+            post(move || std::future::ready(handler())),
+        )
+        .route_layer(layer_for(&pool));
+    let body = || Body::from(r#"{"amount": 5}"#);
+    for path in [
+        "/accounts/A/transfers",
+        "/accounts/B/transfers",
+        "/accounts/B/transfers?note=x",
+    ] {
+        let (status, replayed, _) = read(post_with(&app, path, "k1", body()).await).await;
+        assert_eq!((status, replayed), (StatusCode::CREATED, false), "{path}");
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "three resources, three transfers"
+    );
+    // The same resource again is a replay.
+    let (_, replayed, answer) =
+        read(post_with(&app, "/accounts/B/transfers", "k1", body()).await).await;
+    assert!(replayed);
+    assert_eq!(answer, b"call 2");
+    // A target longer than the scope column is kept by its hash, and still replays.
+    let long = format!("/accounts/{}/transfers", "L".repeat(400));
+    let (status, replayed, _) = read(post_with(&app, &long, "k1", body()).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    let (_, replayed, _) = read(post_with(&app, &long, "k1", body()).await).await;
+    assert!(replayed);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_client_that_hangs_up_does_not_cancel_the_claimed_work(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let entered = Arc::new(tokio::sync::Notify::new());
+    let (calls, handler) = counting();
+    let (g, e) = (gate.clone(), entered.clone());
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let (gate, entered, handler) = (g.clone(), e.clone(), handler.clone());
+                async move {
+                    entered.notify_one();
+                    gate.notified().await;
+                    handler()
+                }
+            }),
+        )
+        .route_layer(layer_for(&pool));
+    // The client waits until the handler runs, then hangs up (its future is dropped).
+    let client = post_with(&app, "/orders", "k1", Body::from("{}"));
+    tokio::select! {
+        _ = client => panic!("the handler waits at the gate"),
+        () = entered.notified() => {}
+    }
+    gate.notify_one();
+    // The work goes on without its client and stores the answer (bounded wait).
+    let mut finished = false;
+    for _ in 0..200 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM idempotency_keys WHERE finished_at IS NOT NULL",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if n == 1 {
+            finished = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(finished, "the answer was stored after the client left");
+    let (status, replayed, body) =
+        read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true));
+    assert_eq!(body, b"call 1");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_handler_that_panics_releases_the_key_and_answers_500(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let panicking = Arc::new(AtomicBool::new(true));
+    let (calls, handler) = counting();
+    let p = panicking.clone();
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let (panicking, handler) = (p.clone(), handler.clone());
+                async move {
+                    assert!(!panicking.load(Ordering::SeqCst), "the handler's own bug");
+                    handler()
+                }
+            }),
+        )
+        .route_layer(layer_for(&pool));
+    let (status, _, body) = read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let problem: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["type"], types::HANDLER_FAILED);
+    let locked: bool = sqlx::query_scalar("SELECT locked_until IS NOT NULL FROM idempotency_keys")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        !locked,
+        "the key was released, not left locked until its lease expires"
+    );
+    panicking.store(false, Ordering::SeqCst);
+    let (status, replayed, _) =
+        read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_answer_too_large_to_store_is_delivered_whole_and_its_key_released(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let app = Router::new()
+        .route(
+            "/reports",
+            post(move || {
+                c.fetch_add(1, Ordering::SeqCst);
+                std::future::ready((StatusCode::OK, "r".repeat(100)).into_response())
+            }),
+        )
+        .route_layer(layer_for(&pool).max_stored_body(64));
+    for attempt in 1..=2 {
+        let (status, replayed, body) =
+            read(post_with(&app, "/reports", "k1", Body::from("{}")).await).await;
+        assert_eq!(
+            (status, replayed),
+            (StatusCode::OK, false),
+            "attempt {attempt}"
+        );
+        assert_eq!(
+            body,
+            "r".repeat(100).into_bytes(),
+            "the whole answer, every time"
+        );
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "not stored: the retry runs the handler again"
+    );
+    let unfinished: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL AND locked_until IS NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(unfinished, 1, "released, not finished");
+}
+
+/// A request body that gives one piece and then fails, as a connection cut mid-body does.
+struct Failing(bool);
+
+impl http_body::Body for Failing {
+    type Data = bytes::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, std::io::Error>>> {
+        if self.0 {
+            return std::task::Poll::Ready(Some(Err(std::io::Error::other("connection reset"))));
+        }
+        self.0 = true;
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(bytes::Bytes::from(
+            "{\"a\"",
+        )))))
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_body_that_cannot_be_read_is_400_and_claims_nothing(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let (calls, handler) = counting();
+    let app = Router::new()
+        .route("/orders", post(move || std::future::ready(handler())))
+        .route_layer(layer_for(&pool));
+    let (status, _, body) =
+        read(post_with(&app, "/orders", "k1", Body::new(Failing(false))).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let problem: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["type"], types::BAD_BODY);
+    assert_eq!(keys(&pool).await, 0);
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_json_body_with_a_nul_is_kept_by_its_bytes_and_replays(pool: PgPool) {
+    let (app, orders) = app(pool).await;
+    let body = r#"{"item": "t\u0000a"}"#;
+    let (status, _, first) = send(&app, Some("k1"), Some("1"), body).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&first)
+    );
+    let (again, headers, replay) = send(&app, Some("k1"), Some("1"), body).await;
+    assert_eq!(again, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(replay, first);
+    assert_eq!(orders.calls.load(Ordering::SeqCst), 1);
+}

@@ -46,7 +46,7 @@ pub use canonical::canonicalize;
 pub use clock::{Clock, DatabaseClock, ManualClock};
 pub use error::Error;
 pub use fingerprint::Fingerprint;
-pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
 pub use response::StoredResponse;
 pub use store::{
     Claim, FinalPhase, KeyFilter, KeyRecord, Lease, NewRequest, OneStep, Phase, RecoveryPoint,

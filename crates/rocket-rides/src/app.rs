@@ -1,16 +1,19 @@
-//! The service on top: its routes, and how it is served.
-
-use std::future::Future;
+//! The service on top: its routes and the layers of its edge. How it is served (connections,
+//! their timeouts and bounds) is [`crate::server`].
 
 use std::sync::Arc;
 
+use axum::body::Body;
+use axum::error_handling::HandleErrorLayer;
 use axum::extract::{DefaultBodyLimit, Request};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::{Extension, Router};
+use axum::{BoxError, Extension, Router};
 use http::HeaderName;
-use tokio::net::TcpListener;
+use tower::limit::GlobalConcurrencyLimitLayer;
 use tower::ServiceBuilder;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutBody};
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 use utoipa::OpenApi;
@@ -19,25 +22,50 @@ use utoipa_axum::routes;
 
 use crate::config::MAX_BODY_BYTES;
 use crate::handlers::{ops, rides};
+use crate::metrics::Metrics;
 use crate::openapi::ApiDoc;
+use crate::problem::ApiError;
+pub use crate::server::serve;
 pub use crate::state::{AppState, StartError};
 
-/// The routes, and the OpenAPI document generated from them.
-pub fn routes() -> (Router<AppState>, utoipa::openapi::OpenApi) {
-    OpenApiRouter::with_openapi(ApiDoc::openapi())
+/// The routes, and the OpenAPI document generated from them. `/metrics` is one of them unless
+/// metrics are served on a listener of their own (`serve --metrics-listen`).
+pub fn routes(with_metrics: bool) -> (Router<AppState>, utoipa::openapi::OpenApi) {
+    let mut routes = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(rides::create))
         .routes(routes!(rides::show))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
-        .routes(routes!(ops::metrics))
-        .routes(routes!(ops::openapi))
-        .split_for_parts()
+        .routes(routes!(ops::openapi));
+    if with_metrics {
+        routes = routes.routes(routes!(ops::metrics));
+    }
+    let (routes, mut doc) = routes.split_for_parts();
+    crate::openapi::complete(&mut doc);
+    (routes, doc)
 }
 
-/// The service: the routes, their document and their layers.
+/// The service with every route, `/metrics` included.
 pub fn router(state: AppState) -> Router {
-    let (routes, doc) = routes();
+    api_router(state, true)
+}
+
+/// The service: the routes, their document, and the layers of the edge, innermost first:
+///
+/// - every answer counted and timed by route template (`route_layer`, so only routed requests);
+/// - unknown paths and methods answered as problems (404, 405 with `Allow`);
+/// - bodies bounded in size and in the pause between two of their pieces;
+/// - a deadline on the whole request, and a bound on requests in flight past which requests are
+///   shed at once (503 problems with `Retry-After`, never queued);
+/// - request ids and the request's span, outermost, so that every answer (a shed one too)
+///   carries its id.
+pub fn api_router(state: AppState, with_metrics: bool) -> Router {
+    let (routes, doc) = routes(with_metrics);
+    let metrics = state.metrics.clone();
+    let http = state.http.clone();
     routes
+        .fallback(|| async { ApiError::NoRoute })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(Extension(Arc::new(doc)))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .route_layer(axum::middleware::from_fn_with_state(
@@ -45,6 +73,20 @@ pub fn router(state: AppState) -> Router {
             ops::count_requests,
         ))
         .with_state(state)
+        .layer(
+            ServiceBuilder::new()
+                .layer(HandleErrorLayer::new(move |error: BoxError| {
+                    let metrics = metrics.clone();
+                    async move { edge_error(&metrics, error) }
+                }))
+                .load_shed()
+                .layer(GlobalConcurrencyLimitLayer::new(
+                    http.http_max_in_flight as usize,
+                ))
+                .timeout(http.request_timeout)
+                .layer(RequestBodyTimeoutLayer::new(http.body_read_timeout))
+                .map_request(|request: Request<TimeoutBody<Body>>| request.map(Body::new)),
+        )
         // Request ids and tracing, outermost first: a client's unusable id is dropped, a missing
         // one generated, the request's span opened with the id, and the id copied onto the
         // answer.
@@ -61,6 +103,19 @@ pub fn router(state: AppState) -> Router {
                 )
                 .layer(PropagateRequestIdLayer::new(REQUEST_ID)),
         )
+}
+
+/// The answer to a request the edge stopped: shed (too many in flight) or past its deadline.
+fn edge_error(metrics: &Metrics, error: BoxError) -> Response {
+    if error.is::<tower::load_shed::error::Overloaded>() {
+        metrics.request_shed();
+        return ApiError::OverCapacity.into_response();
+    }
+    if error.is::<tower::timeout::error::Elapsed>() {
+        metrics.request_timed_out();
+        return ApiError::RequestTimeout.into_response();
+    }
+    ApiError::Internal(format!("edge: {error}")).into_response()
 }
 
 /// The span of one request: every log line written while it is served carries its id.
@@ -105,21 +160,12 @@ fn drop_unusable_request_id(mut request: Request) -> Request {
     request
 }
 
-/// The routes of `rocket-rides worker --metrics-listen`: its counters and liveness.
-pub fn worker_router(state: AppState) -> Router {
+/// The routes of a metrics listener (`worker --metrics-listen`, `serve --metrics-listen`): the
+/// metrics and liveness.
+pub fn metrics_router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(ops::healthz))
         .route("/metrics", get(ops::metrics))
+        .fallback(|| async { ApiError::NoRoute })
         .with_state(state)
-}
-
-/// Serves `router` on `listener` until `shutdown` resolves, then drains in-flight requests.
-pub async fn serve(
-    listener: TcpListener,
-    router: Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
 }

@@ -5,7 +5,7 @@ use http::request::Parts;
 use rand::TryRngCore;
 use sha2::{Digest, Sha256};
 
-use crate::problem::ApiError;
+use crate::problem::{ApiError, ONE_AUTHORIZATION_DETAIL, UNAUTHORIZED_DETAIL};
 use crate::state::AppState;
 
 /// Prefix of every API key, so a leaked key is recognisable in logs and scanners.
@@ -38,19 +38,74 @@ impl FromRequestParts<AppState> for AuthUser {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let key = parts
-            .headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|k| !k.is_empty() && k.len() <= 128)
-            .ok_or(ApiError::Unauthorized)?;
+        let key = bearer_token(&parts.headers)?;
         let id: Option<i64> = sqlx::query_scalar("SELECT id FROM users WHERE api_key_hash = $1")
             .bind(hash_api_key(key).as_slice())
             .fetch_optional(&state.pool)
             .await
             .map_err(|e| ApiError::Internal(format!("authenticate: {e}")))?;
-        id.map(|id| Self { id }).ok_or(ApiError::Unauthorized)
+        id.map(|id| Self { id })
+            .ok_or(ApiError::Unauthorized(UNAUTHORIZED_DETAIL))
+    }
+}
+
+/// The longest API key looked up; ours are 72 characters.
+const MAX_API_KEY_LEN: usize = 128;
+
+/// The token of exactly one `Authorization: Bearer <token>` header. The scheme is
+/// case-insensitive (RFC 9110 §11.1); several `Authorization` headers are refused rather than
+/// one of them picked, since a proxy and the client may disagree on which one counts.
+pub fn bearer_token(headers: &http::HeaderMap) -> Result<&str, ApiError> {
+    let mut values = headers.get_all(http::header::AUTHORIZATION).iter();
+    let value = match (values.next(), values.next()) {
+        (Some(value), None) => value,
+        (Some(_), Some(_)) => return Err(ApiError::Unauthorized(ONE_AUTHORIZATION_DETAIL)),
+        (None, _) => return Err(ApiError::Unauthorized(UNAUTHORIZED_DETAIL)),
+    };
+    let unauthorized = || ApiError::Unauthorized(UNAUTHORIZED_DETAIL);
+    let value = value.to_str().map_err(|_| unauthorized())?;
+    let (scheme, token) = value.trim().split_once(' ').ok_or_else(unauthorized)?;
+    let token = token.trim();
+    if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() || token.len() > MAX_API_KEY_LEN {
+        return Err(unauthorized());
+    }
+    Ok(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(values: &[&str]) -> http::HeaderMap {
+        let mut headers = http::HeaderMap::new();
+        for value in values {
+            headers.append(http::header::AUTHORIZATION, value.parse().unwrap());
+        }
+        headers
+    }
+
+    #[test]
+    fn the_scheme_is_case_insensitive_and_one_header_is_required() {
+        for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+            let headers = headers(&[&format!("{scheme} rr_test_1")]);
+            assert_eq!(bearer_token(&headers).unwrap(), "rr_test_1", "{scheme}");
+        }
+        for bad in [
+            &["Basic abc"][..],
+            &["Bearer "],
+            &["Bearer"],
+            &["rr_test_1"],
+            &[],
+        ] {
+            assert!(matches!(
+                bearer_token(&headers(bad)),
+                Err(ApiError::Unauthorized(UNAUTHORIZED_DETAIL))
+            ));
+        }
+        let two = headers(&["Bearer rr_test_1", "Bearer rr_test_2"]);
+        assert!(matches!(
+            bearer_token(&two),
+            Err(ApiError::Unauthorized(ONE_AUTHORIZATION_DETAIL))
+        ));
     }
 }

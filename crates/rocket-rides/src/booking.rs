@@ -447,13 +447,11 @@ async fn settle(
     charge: Charge,
     found: Found,
 ) -> Result<Step, BookingError> {
-    // Never record a charge that is not this ride's: a wrong amount or customer means a bug or
-    // tampering, and an operator must look before anything is stored.
+    // Never record a charge that is not this ride's: a wrong amount or customer (or none: every
+    // charge we ask for names its customer) means a bug or tampering, and an operator must look
+    // before anything is stored.
     if charge.amount != i64::from(target.amount_cents)
-        || charge
-            .customer
-            .as_deref()
-            .is_some_and(|c| c != target.customer)
+        || charge.customer.as_deref() != Some(target.customer.as_str())
     {
         return Err(BookingError::Internal(format!(
             "gateway charge {} ({} cents, customer {:?}) does not match ride {} ({} cents, {})",

@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use idempotency::{DatabaseClock, KeyFilter, Store};
 
 use crate::app::{self, AppState};
-use crate::config::{GatewayArgs, LeaseArgs, ShutdownArgs, WorkerArgs};
+use crate::config::{GatewayArgs, HttpArgs, LeaseArgs, ShutdownArgs, WorkerArgs};
 use crate::shutdown::{os_signal, Shutdown, HARD_STOP_MARGIN};
 use crate::telemetry::LogFormat;
 
@@ -68,6 +68,12 @@ enum Command {
         /// Largest number of database connections.
         #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = 20)]
         max_connections: u32,
+        /// Serve `GET /metrics` on this address instead of the API's, so that metrics can stay
+        /// off the public listener.
+        #[arg(long, env = "METRICS_LISTEN")]
+        metrics_listen: Option<SocketAddr>,
+        #[command(flatten)]
+        http: HttpArgs,
         #[command(flatten)]
         gateway: GatewayArgs,
         #[command(flatten)]
@@ -188,30 +194,64 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             db,
             listen,
             max_connections,
+            metrics_listen,
+            http,
             gateway,
             lease,
             shutdown,
         } => {
+            crate::config::validate_http(&http, &gateway).map_err(anyhow::Error::msg)?;
             let pool = connect(&db, max_connections).await?;
             let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
+            state.http = http.clone();
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .with_context(|| format!("listen on {listen}"))?;
-            tracing::info!(address = %listener.local_addr()?, "serving");
             let steps = Shutdown::new();
-            let mut stopping = steps.stopping();
             state.giving_up = steps.giving_up();
+            if let Some(address) = metrics_listen {
+                let metrics = tokio::net::TcpListener::bind(address)
+                    .await
+                    .with_context(|| format!("listen on {address}"))?;
+                tracing::info!(address = %metrics.local_addr()?, "serving metrics");
+                let mut stopping = steps.stopping();
+                let (router, limits, counters) = (
+                    app::metrics_router(state.clone()),
+                    http.clone(),
+                    state.metrics.clone(),
+                );
+                tokio::spawn(app::serve(metrics, router, limits, counters, async move {
+                    stopping.wait().await
+                }));
+            }
+            tracing::info!(address = %listener.local_addr()?, "serving");
+            let mut stopping = steps.stopping();
             tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
             let mut giving_up = state.giving_up.clone();
-            let serving = app::serve(listener, app::router(state), async move {
+            let tasks = state.tasks.clone();
+            let router = app::api_router(state.clone(), metrics_listen.is_none());
+            let serving = app::serve(listener, router, http, state.metrics.clone(), async move {
                 stopping.wait().await
             });
+            let hard_stop = async {
+                giving_up.wait().await;
+                tokio::time::sleep(HARD_STOP_MARGIN).await;
+            };
+            tokio::pin!(hard_stop);
             tokio::select! {
                 served = serving => served?,
-                _ = async {
-                    giving_up.wait().await;
-                    tokio::time::sleep(HARD_STOP_MARGIN).await;
-                } => tracing::warn!("connections still open past the shutdown deadline; exiting"),
+                () = &mut hard_stop => {
+                    tracing::warn!("connections still open past the shutdown deadline; exiting")
+                }
+            }
+            // Bookings run detached from their connections: a client that hung up does not end
+            // its booking. Wait for them too; at the deadline they release their leases and end.
+            tasks.close();
+            tokio::select! {
+                () = tasks.wait() => {}
+                () = &mut hard_stop => {
+                    tracing::warn!(left = tasks.len(), "bookings still running past the shutdown deadline; exiting")
+                }
             }
             tracing::info!("stopped");
         }
@@ -239,9 +279,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                         .await
                         .with_context(|| format!("listen on {address}"))?;
                     let mut stopping = steps.stopping();
+                    let (router, counters) =
+                        (app::metrics_router(state.clone()), state.metrics.clone());
                     tokio::spawn(app::serve(
                         listener,
-                        app::worker_router(state.clone()),
+                        router,
+                        HttpArgs::default(),
+                        counters,
                         async move { stopping.wait().await },
                     ));
                 }

@@ -97,6 +97,84 @@ pub struct LeaseArgs {
 /// Default of `--lease-heartbeat`: a third of the default lease TTL.
 pub const DEFAULT_LEASE_HEARTBEAT: Duration = Duration::from_secs(10);
 
+/// The HTTP edge: what a client may take of the server before it is cut off or turned away.
+///
+/// Every limit answers one way a client can hold the server: a connection that never finishes
+/// its headers, an idle keep-alive connection, a body that trickles in or never comes, a request
+/// that takes too long, too many connections, too many requests at once.
+#[derive(Debug, Clone, Args)]
+pub struct HttpArgs {
+    /// Time a client has to send a request's head (request line and headers). The same time
+    /// closes an idle keep-alive connection that sends no next request (hyper applies one
+    /// timer to both). At most 60s.
+    #[arg(long, env = "HTTP_HEADER_READ_TIMEOUT", value_parser = parse_duration,
+          default_value = "10s")]
+    pub header_read_timeout: Duration,
+    /// Longest wait for the next piece of a request body; a body that trickles in slower, or a
+    /// `Content-Length` that is never delivered, ends the request with a 400.
+    #[arg(long, env = "HTTP_BODY_READ_TIMEOUT", value_parser = parse_duration,
+          default_value = "10s")]
+    pub body_read_timeout: Duration,
+    /// Longest time to answer one request, its body included; past it the client gets 503 with
+    /// `Retry-After` (a booking goes on in its own task and is found by the retry). Must exceed
+    /// the gateway timeout.
+    #[arg(long, env = "HTTP_REQUEST_TIMEOUT", value_parser = parse_duration,
+          default_value = "30s")]
+    pub request_timeout: Duration,
+    /// Open connections at most. Past it, a new connection is answered 503 at once and closed,
+    /// so that a crowd of idle or slow clients cannot use up the process's file descriptors.
+    #[arg(long, env = "HTTP_MAX_CONNECTIONS", default_value_t = 512,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub http_max_connections: u32,
+    /// Requests being answered at once at most. Past it, 503 with `Retry-After` at once: work is
+    /// shed, never queued without bound.
+    #[arg(long, env = "HTTP_MAX_IN_FLIGHT", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub http_max_in_flight: u32,
+}
+
+impl Default for HttpArgs {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            http_max_connections: 512,
+            http_max_in_flight: 256,
+        }
+    }
+}
+
+/// Checks the edge's limits against each other and against the gateway's.
+pub fn validate_http(http: &HttpArgs, gateway: &GatewayArgs) -> Result<(), String> {
+    if http.header_read_timeout < Duration::from_millis(100)
+        || http.header_read_timeout > Duration::from_secs(60)
+    {
+        return Err(format!(
+            "--header-read-timeout ({:?}) must be between 100ms and 60s",
+            http.header_read_timeout
+        ));
+    }
+    if http.body_read_timeout < Duration::from_millis(100) {
+        return Err(format!(
+            "--body-read-timeout ({:?}) must be at least 100ms",
+            http.body_read_timeout
+        ));
+    }
+    if http.request_timeout <= gateway.gateway_timeout {
+        return Err(format!(
+            "--request-timeout ({:?}) must exceed --gateway-timeout ({:?}): a booking waits on \
+             the gateway within its request",
+            http.request_timeout, gateway.gateway_timeout
+        ));
+    }
+    Ok(())
+}
+
+/// The longest request head (request line and headers) read, in bytes: a larger one is refused
+/// with 431 by hyper, so that an unfinished head holds at most this much memory.
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+
 /// How long `serve` and `worker` let work in flight finish after SIGTERM before giving it up.
 #[derive(Debug, Clone, Args)]
 pub struct ShutdownArgs {
@@ -359,6 +437,38 @@ mod tests {
             ..Default::default()
         };
         assert!(validate(&zero, &LeaseArgs::default()).is_err());
+    }
+
+    #[test]
+    fn the_edges_limits_are_checked() {
+        let gateway = GatewayArgs::default();
+        assert_eq!(validate_http(&HttpArgs::default(), &gateway), Ok(()));
+        for (http, flag) in [
+            (
+                HttpArgs {
+                    header_read_timeout: Duration::from_secs(61),
+                    ..Default::default()
+                },
+                "--header-read-timeout",
+            ),
+            (
+                HttpArgs {
+                    body_read_timeout: Duration::from_millis(10),
+                    ..Default::default()
+                },
+                "--body-read-timeout",
+            ),
+            (
+                HttpArgs {
+                    request_timeout: Duration::from_secs(10),
+                    ..Default::default()
+                },
+                "--request-timeout",
+            ),
+        ] {
+            let err = validate_http(&http, &gateway).unwrap_err();
+            assert!(err.contains(flag), "{err}");
+        }
     }
 
     #[test]

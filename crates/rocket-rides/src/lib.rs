@@ -4,9 +4,11 @@
 //! |---|---|
 //! | the phase machine of `POST /rides`, the gateway key and reconciliation | [`booking`] |
 //! | the ride: request validation, the ride as the API shows it | [`ride`] |
+//! | strict JSON: no duplicate members, no NUL, numbers as written | [`json`] |
 //! | the shared state | [`state`] |
 //! | HTTP handlers: rides, operations | [`handlers`] |
-//! | routes and serving, on top | [`app`] |
+//! | routes and the edge's layers, on top | [`app`] |
+//! | serving connections: timeouts, bounds | [`server`] |
 //! | API keys | [`auth`] |
 //! | the Stripe client and its error classes | [`stripe`] |
 //! | errors as problem+json | [`problem`] |
@@ -28,10 +30,12 @@ pub mod config;
 pub mod db;
 pub mod failpoints;
 pub mod handlers;
+pub mod json;
 pub mod metrics;
 pub mod openapi;
 pub mod problem;
 pub mod ride;
+pub mod server;
 pub mod shutdown;
 pub mod state;
 pub mod stripe;

@@ -5,6 +5,9 @@
 //! |---|---|---|
 //! | `http_requests_total` | counter | `method` (unknown methods are `OTHER`), `route` (the template, `unmatched` for none), `status` |
 //! | `http_request_duration_seconds` | histogram | `method`, `route`, `status` |
+//! | `http_requests_shed_total`, `http_requests_timed_out_total` | counter | requests answered 503 by the edge: too many in flight, past the deadline |
+//! | `http_connections_open` | gauge | |
+//! | `http_connections_refused_total` | counter | connections answered 503 and closed: too many open |
 //! | `idempotency_claims_total` | counter | `outcome`: acquired, replayed, mismatch, in_flight |
 //! | `idempotency_claim_duration_seconds` | histogram | |
 //! | `booking_phase_duration_seconds` | histogram | `phase`: the recovery point a phase commits (ride_created, charge_generation, charge_pending, charge_created, finished) |
@@ -190,6 +193,10 @@ struct Inner {
     registry: Registry,
     http_requests: Family<HttpLabels, Counter>,
     http_duration: Histograms<HttpLabels>,
+    requests_shed: Counter,
+    requests_timed_out: Counter,
+    connections_open: Gauge,
+    connections_refused: Counter,
     claims: Family<OutcomeLabel, Counter>,
     claim_duration: Histogram,
     phase_duration: Histograms<PhaseLabel>,
@@ -221,6 +228,30 @@ impl Default for Metrics {
             "Time to answer an HTTP request, by method, route template and status",
             Unit::Seconds,
             http_duration.clone(),
+        );
+        let requests_shed = Counter::default();
+        registry.register(
+            "http_requests_shed",
+            "Requests answered 503 at once because as many were in flight as the server takes",
+            requests_shed.clone(),
+        );
+        let requests_timed_out = Counter::default();
+        registry.register(
+            "http_requests_timed_out",
+            "Requests answered 503 because they ran past the request deadline",
+            requests_timed_out.clone(),
+        );
+        let connections_open = Gauge::default();
+        registry.register(
+            "http_connections_open",
+            "Connections open now",
+            connections_open.clone(),
+        );
+        let connections_refused = Counter::default();
+        registry.register(
+            "http_connections_refused",
+            "Connections answered 503 and closed because as many were open as the server takes",
+            connections_refused.clone(),
         );
         let claims = Family::<OutcomeLabel, Counter>::default();
         registry.register(
@@ -328,6 +359,10 @@ impl Default for Metrics {
             registry,
             http_requests,
             http_duration,
+            requests_shed,
+            requests_timed_out,
+            connections_open,
+            connections_refused,
             claims,
             claim_duration,
             phase_duration,
@@ -347,6 +382,31 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Counts a request shed by the edge.
+    pub fn request_shed(&self) {
+        self.0.requests_shed.inc();
+    }
+
+    /// Counts a request stopped at its deadline.
+    pub fn request_timed_out(&self) {
+        self.0.requests_timed_out.inc();
+    }
+
+    /// A connection was accepted.
+    pub fn connection_opened(&self) {
+        self.0.connections_open.inc();
+    }
+
+    /// A connection ended.
+    pub fn connection_closed(&self) {
+        self.0.connections_open.dec();
+    }
+
+    /// A connection was refused: too many open.
+    pub fn connection_refused(&self) {
+        self.0.connections_refused.inc();
+    }
+
     /// Counts one claim and how long it took.
     pub fn claim(&self, outcome: ClaimOutcome, took: Duration) {
         let outcome = CLAIM_OUTCOMES[outcome as usize];

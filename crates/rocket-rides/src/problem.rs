@@ -39,6 +39,49 @@ pub mod types {
     pub const LEASE_LOST: &str = "urn:problem:rocket-rides:lease-lost";
     /// Something broke on our side (500).
     pub const INTERNAL: &str = "urn:problem:rocket-rides:internal";
+    /// The body could not be read: cut off, or too slow to arrive (400).
+    pub const BAD_BODY: &str = "urn:problem:rocket-rides:bad-body";
+    /// The body's media type or encoding is not one the route takes (415).
+    pub const UNSUPPORTED_MEDIA_TYPE: &str = "urn:problem:rocket-rides:unsupported-media-type";
+    /// No route for this path (404).
+    pub const NO_ROUTE: &str = "urn:problem:rocket-rides:no-route";
+    /// The route does not take this method; `Allow` lists those it does (405).
+    pub const METHOD_NOT_ALLOWED: &str = "urn:problem:rocket-rides:method-not-allowed";
+    /// The request took longer than the server's deadline (503).
+    pub const REQUEST_TIMEOUT: &str = "urn:problem:rocket-rides:request-timeout";
+    /// The server is answering as many requests or connections as it takes (503).
+    pub const OVER_CAPACITY: &str = "urn:problem:rocket-rides:over-capacity";
+
+    use idempotency_axum::problem::types as key;
+
+    /// Every type the service answers with, the idempotency face's included: the OpenAPI
+    /// document's closed list.
+    pub const ALL: [&str; 24] = [
+        BAD_JSON,
+        BAD_BODY,
+        BODY_TOO_LARGE,
+        UNSUPPORTED_MEDIA_TYPE,
+        VALIDATION,
+        UNAUTHORIZED,
+        PAYMENT_DECLINED,
+        PAYMENT_REFUSED,
+        PAYMENT_PENDING,
+        NOT_FOUND,
+        NO_ROUTE,
+        METHOD_NOT_ALLOWED,
+        GATEWAY_UNAVAILABLE,
+        SHUTTING_DOWN,
+        LEASE_LOST,
+        INTERNAL,
+        REQUEST_TIMEOUT,
+        OVER_CAPACITY,
+        key::KEY_MISSING,
+        key::KEY_INVALID,
+        key::KEY_REUSED,
+        key::KEY_IN_FLIGHT,
+        key::BODY_TOO_LARGE,
+        key::STORE_FAILED,
+    ];
 }
 
 /// The body of every error answer: RFC 9457 problem details.
@@ -75,29 +118,51 @@ pub const GATEWAY_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// settles a pending card charge in seconds, a bank debit in days; the completer keeps asking.
 pub const PENDING_RETRY_AFTER: Duration = Duration::from_secs(5);
 
+/// How long a client should wait after the server shed its request or connection.
+pub const OVERLOAD_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 /// Detail of the 401.
 pub const UNAUTHORIZED_DETAIL: &str = "send a valid API key as `Authorization: Bearer <key>`";
+/// Detail of the 401 for a request with several `Authorization` headers.
+pub const ONE_AUTHORIZATION_DETAIL: &str = "send exactly one Authorization header";
+/// Detail of the 415 for a body without `Content-Type: application/json`.
+pub const JSON_ONLY_DETAIL: &str = "send the body as `Content-Type: application/json`";
+/// Detail of the 415 for an encoded body.
+pub const IDENTITY_ONLY_DETAIL: &str =
+    "send the body unencoded: no Content-Encoding other than identity";
 /// Detail of the 500: deliberately says nothing.
 pub const INTERNAL_DETAIL: &str = "an internal error occurred; the request can be retried";
 
 /// Everything a handler can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    /// The body is not JSON.
+    /// The body is not JSON (or has a member twice, or a NUL in a string).
     #[error("body is not JSON: {0}")]
     BadJson(String),
+    /// The body could not be read: cut off, or too slow to arrive.
+    #[error("body could not be read: {0}")]
+    BadBody(String),
     /// The body is larger than the route accepts.
     #[error("body too large")]
     BodyTooLarge,
+    /// The body's media type or encoding is not the route's; the detail says which.
+    #[error("unsupported media type: {0}")]
+    UnsupportedMediaType(&'static str),
     /// The body fails validation.
     #[error("invalid request body")]
     Validation(Vec<FieldError>),
-    /// No or unknown API key.
-    #[error("unauthorized")]
-    Unauthorized,
+    /// No or unknown API key; the detail says what to send.
+    #[error("unauthorized: {0}")]
+    Unauthorized(&'static str),
     /// Not found, or not the caller's.
     #[error("not found")]
     NotFound,
+    /// No route has this path.
+    #[error("no route")]
+    NoRoute,
+    /// The route does not take this method (axum adds `Allow`).
+    #[error("method not allowed")]
+    MethodNotAllowed,
     /// The gateway gave no usable answer.
     #[error("payment gateway unavailable: {0}")]
     GatewayUnavailable(String),
@@ -110,6 +175,12 @@ pub enum ApiError {
     /// The server is shutting down and gave the request up; its key is free to retry.
     #[error("shutting down")]
     ShuttingDown,
+    /// The request ran past the server's deadline.
+    #[error("request timed out")]
+    RequestTimeout,
+    /// The server sheds the request or the connection: it answers as many as it takes.
+    #[error("over capacity")]
+    OverCapacity,
     /// Anything else.
     #[error("internal error: {0}")]
     Internal(String),
@@ -121,13 +192,20 @@ impl From<idempotency::Error> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let problem = match self {
+impl ApiError {
+    /// The problem this error answers with. Pure: the logging is [`IntoResponse`]'s.
+    pub fn problem(&self) -> Problem {
+        match self {
             Self::BadJson(why) => {
                 Problem::new(StatusCode::BAD_REQUEST, types::BAD_JSON, "Body is not JSON")
-                    .with_detail(why)
+                    .with_detail(why.clone())
             }
+            Self::BadBody(why) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                types::BAD_BODY,
+                "Body could not be read",
+            )
+            .with_detail(why.clone()),
             Self::BodyTooLarge => Problem::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 types::BODY_TOO_LARGE,
@@ -137,6 +215,12 @@ impl IntoResponse for ApiError {
                 "the request body is larger than {} bytes",
                 crate::config::MAX_BODY_BYTES
             )),
+            Self::UnsupportedMediaType(detail) => Problem::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                types::UNSUPPORTED_MEDIA_TYPE,
+                "Unsupported media type",
+            )
+            .with_detail(*detail),
             Self::Validation(errors) => {
                 let names: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
                 Problem::new(
@@ -147,38 +231,40 @@ impl IntoResponse for ApiError {
                 .with_detail(format!("invalid fields: {}", names.join(", ")))
                 .with_extension("errors", json!(errors))
             }
-            Self::Unauthorized => Problem::new(
+            Self::Unauthorized(detail) => Problem::new(
                 StatusCode::UNAUTHORIZED,
                 types::UNAUTHORIZED,
                 "Unauthorized",
             )
-            .with_detail(UNAUTHORIZED_DETAIL),
+            .with_detail(*detail),
             Self::NotFound => Problem::new(StatusCode::NOT_FOUND, types::NOT_FOUND, "Not found"),
-            Self::GatewayUnavailable(why) => {
-                tracing::warn!(error = %why, "payment gateway unavailable");
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    types::GATEWAY_UNAVAILABLE,
-                    "Payment gateway unavailable",
-                )
-                .with_detail(
-                    "the payment could not be confirmed yet; retry with the same Idempotency-Key",
-                )
-                .with_retry_after(GATEWAY_RETRY_AFTER)
-            }
-            Self::PaymentPending(charge) => {
-                tracing::info!(charge = %charge, "payment pending at the gateway");
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    types::PAYMENT_PENDING,
-                    "Payment pending",
-                )
-                .with_detail(
-                    "the payment gateway is still processing the charge; retry with the same \
-                     Idempotency-Key",
-                )
-                .with_retry_after(PENDING_RETRY_AFTER)
-            }
+            Self::NoRoute => Problem::new(StatusCode::NOT_FOUND, types::NO_ROUTE, "No such route")
+                .with_detail("no route has this path; GET /openapi.json lists them"),
+            Self::MethodNotAllowed => Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                types::METHOD_NOT_ALLOWED,
+                "Method not allowed",
+            )
+            .with_detail("the route does not take this method; `Allow` lists those it does"),
+            Self::GatewayUnavailable(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::GATEWAY_UNAVAILABLE,
+                "Payment gateway unavailable",
+            )
+            .with_detail(
+                "the payment could not be confirmed yet; retry with the same Idempotency-Key",
+            )
+            .with_retry_after(GATEWAY_RETRY_AFTER),
+            Self::PaymentPending(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::PAYMENT_PENDING,
+                "Payment pending",
+            )
+            .with_detail(
+                "the payment gateway is still processing the charge; retry with the same \
+                 Idempotency-Key",
+            )
+            .with_retry_after(PENDING_RETRY_AFTER),
             Self::LeaseLost => Problem::new(
                 StatusCode::CONFLICT,
                 types::LEASE_LOST,
@@ -193,16 +279,46 @@ impl IntoResponse for ApiError {
             )
             .with_detail("the server stopped before finishing; retry with the same Idempotency-Key")
             .with_retry_after(GATEWAY_RETRY_AFTER),
-            Self::Internal(why) => {
-                tracing::error!(error = %why, "internal error");
-                Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    types::INTERNAL,
-                    "Internal error",
-                )
-                .with_detail(INTERNAL_DETAIL)
+            Self::RequestTimeout => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::REQUEST_TIMEOUT,
+                "Request timed out",
+            )
+            .with_detail(
+                "the request took longer than the server allows; retry with the same \
+                 Idempotency-Key, which finds the outcome",
+            )
+            .with_retry_after(GATEWAY_RETRY_AFTER),
+            Self::OverCapacity => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::OVER_CAPACITY,
+                "Over capacity",
+            )
+            .with_detail("the server is answering as many requests as it takes; retry shortly")
+            .with_retry_after(OVERLOAD_RETRY_AFTER),
+            Self::Internal(_) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                types::INTERNAL,
+                "Internal error",
+            )
+            .with_detail(INTERNAL_DETAIL),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        // Internal detail goes to the log, once, never into the body.
+        match &self {
+            Self::GatewayUnavailable(why) => {
+                tracing::warn!(error = %why, "payment gateway unavailable")
             }
-        };
-        problem.into_response()
+            Self::PaymentPending(charge) => {
+                tracing::info!(charge = %charge, "payment pending at the gateway")
+            }
+            Self::Internal(why) => tracing::error!(error = %why, "internal error"),
+            _ => {}
+        }
+        self.problem().into_response()
     }
 }

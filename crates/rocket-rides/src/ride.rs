@@ -1,7 +1,9 @@
 //! The ride: what a booking request must hold (validation), and the ride as the API shows it.
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::Value;
+
+use crate::json::Members;
 use sqlx::PgExecutor;
 use time::OffsetDateTime;
 
@@ -46,22 +48,67 @@ pub struct FieldError {
     pub message: String,
 }
 
+/// Why a body is not a ride request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BodyError {
+    /// Not strict JSON (see [`crate::json`]): the message says where.
+    NotJson(String),
+    /// JSON, but these fields fail.
+    Invalid(Vec<FieldError>),
+}
+
 impl RideRequest {
-    /// Validates a parsed JSON body, reporting every failing field at once.
-    pub fn validate(body: &Value) -> Result<Self, Vec<FieldError>> {
-        let Some(object) = body.as_object() else {
-            return Err(vec![FieldError {
+    /// Parses and validates a body: strict JSON, then every field on the exact text the client
+    /// wrote, reporting every failing field at once. Returns the request and the JSON value (the
+    /// fingerprint is taken over the value's canonical form).
+    pub fn parse(body: &[u8]) -> Result<(Self, Value), BodyError> {
+        let (value, members) =
+            crate::json::parse(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
+        let Some(members) = members else {
+            return Err(BodyError::Invalid(vec![FieldError {
                 field: String::new(),
                 message: "the body must be a JSON object".into(),
-            }]);
+            }]));
+        };
+        Self::from_members(&members)
+            .map(|request| (request, value))
+            .map_err(BodyError::Invalid)
+    }
+
+    /// Validates an object's members, as written.
+    fn from_members(members: &Members) -> Result<Self, Vec<FieldError>> {
+        let member = |name: &str| {
+            members
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, raw)| raw.get())
         };
         let mut errors = Vec::new();
-        let origin_lat = coordinate(object, "origin_lat", 90.0, &mut errors);
-        let origin_lon = coordinate(object, "origin_lon", 180.0, &mut errors);
-        let target_lat = coordinate(object, "target_lat", 90.0, &mut errors);
-        let target_lon = coordinate(object, "target_lon", 180.0, &mut errors);
-        let amount_cents = amount(object, &mut errors);
-        for name in object.keys() {
+        let mut coordinate = |name: &'static str, bound: u64| {
+            let (value, failure) = coordinate(member(name), bound);
+            if let Some(message) = failure {
+                errors.push(FieldError {
+                    field: name.to_owned(),
+                    message,
+                });
+            }
+            value
+        };
+        let origin_lat = coordinate("origin_lat", 90);
+        let origin_lon = coordinate("origin_lon", 180);
+        let target_lat = coordinate("target_lat", 90);
+        let target_lon = coordinate("target_lon", 180);
+        let amount_cents = match amount(member("amount_cents")) {
+            Ok(amount) => Some(amount),
+            Err(message) => {
+                errors.push(FieldError {
+                    field: "amount_cents".into(),
+                    message,
+                });
+                None
+            }
+        };
+        for (name, _) in members {
             if !KNOWN_FIELDS.contains(&name.as_str()) {
                 errors.push(FieldError {
                     field: name.clone(),
@@ -96,50 +143,36 @@ const KNOWN_FIELDS: [&str; 5] = [
     "amount_cents",
 ];
 
-fn coordinate(
-    object: &Map<String, Value>,
-    name: &str,
-    bound: f64,
-    errors: &mut Vec<FieldError>,
-) -> Option<f64> {
-    let fail = |errors: &mut Vec<FieldError>, message: String| {
-        errors.push(FieldError {
-            field: name.to_owned(),
-            message,
-        });
-        None
+/// A coordinate within `[-bound, bound]`, checked on its exact text: the value, or why not.
+fn coordinate(text: Option<&str>, bound: u64) -> (Option<f64>, Option<String>) {
+    let Some(text) = text else {
+        return (None, Some("is required".into()));
     };
-    match object.get(name) {
-        None => fail(errors, "is required".into()),
-        Some(value) => match value.as_f64() {
-            Some(v) if (-bound..=bound).contains(&v) => Some(v),
-            Some(_) => fail(errors, format!("must be between -{bound} and {bound}")),
-            None => fail(errors, "must be a number".into()),
-        },
+    match crate::json::abs_cmp(text, bound) {
+        None => (None, Some("must be a number".into())),
+        Some(std::cmp::Ordering::Greater) => {
+            (None, Some(format!("must be between -{bound} and {bound}")))
+        }
+        // Within the bound exactly: the nearest double cannot leave it, since the bound is one.
+        Some(_) => (text.parse().ok(), None),
     }
 }
 
-fn amount(object: &Map<String, Value>, errors: &mut Vec<FieldError>) -> Option<i32> {
-    let fail = |errors: &mut Vec<FieldError>, message: String| {
-        errors.push(FieldError {
-            field: "amount_cents".into(),
-            message,
-        });
-        None
-    };
-    let range = format!("must be an integer between {MIN_AMOUNT_CENTS} and {MAX_AMOUNT_CENTS}");
-    match object.get("amount_cents") {
-        None => fail(errors, "is required".into()),
-        // `2000.0` is the same JSON number as `2000` (and has the same fingerprint).
-        Some(value) => match value.as_f64() {
-            Some(v)
-                if v.fract() == 0.0
-                    && (MIN_AMOUNT_CENTS as f64..=MAX_AMOUNT_CENTS as f64).contains(&v) =>
-            {
-                Some(v as i32)
-            }
-            _ => fail(errors, range),
-        },
+/// An amount: an integer token (no fraction, no exponent) within the accepted range.
+fn amount(text: Option<&str>) -> Result<i32, String> {
+    let range = || format!("must be an integer between {MIN_AMOUNT_CENTS} and {MAX_AMOUNT_CENTS}");
+    let text = text.ok_or_else(|| "is required".to_owned())?;
+    let digits = text.strip_prefix('-').unwrap_or(text);
+    let integer_token = !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit())
+        && (digits == "0" || !digits.starts_with('0'));
+    if !integer_token {
+        return Err(range());
+    }
+    // A token longer than any i64 is out of range as well.
+    match text.parse::<i64>() {
+        Ok(v) if (MIN_AMOUNT_CENTS..=MAX_AMOUNT_CENTS).contains(&v) => Ok(v as i32),
+        _ => Err(range()),
     }
 }
 
@@ -210,29 +243,40 @@ impl RideView {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
 
-    fn fields(body: Value) -> Vec<String> {
-        RideRequest::validate(&body)
-            .unwrap_err()
-            .into_iter()
-            .map(|e| e.field)
-            .collect()
+    fn fields(body: &str) -> Vec<String> {
+        match RideRequest::parse(body.as_bytes()).unwrap_err() {
+            BodyError::Invalid(errors) => errors.into_iter().map(|e| e.field).collect(),
+            BodyError::NotJson(why) => panic!("not JSON: {why}"),
+        }
+    }
+
+    fn with_amount(amount: &str) -> Result<i32, Vec<String>> {
+        let body = format!(
+            r#"{{"origin_lat": 0, "origin_lon": 0, "target_lat": 0, "target_lon": 0, "amount_cents": {amount}}}"#
+        );
+        RideRequest::parse(body.as_bytes())
+            .map(|(r, _)| r.amount_cents)
+            .map_err(|e| match e {
+                BodyError::Invalid(errors) => errors.into_iter().map(|e| e.field).collect(),
+                BodyError::NotJson(why) => vec![why],
+            })
     }
 
     #[test]
     fn a_valid_body_is_accepted() {
-        let body = json!({"origin_lat": 37.77, "origin_lon": -122.42, "target_lat": 37.80,
-                          "target_lon": -122.27, "amount_cents": 2000});
-        let ride = RideRequest::validate(&body).unwrap();
+        let body = r#"{"origin_lat": 37.77, "origin_lon": -122.42, "target_lat": 37.80,
+                       "target_lon": -122.27, "amount_cents": 2000}"#;
+        let (ride, value) = RideRequest::parse(body.as_bytes()).unwrap();
         assert_eq!(ride.amount_cents, 2000);
         assert_eq!(ride.origin_lon, -122.42);
+        assert_eq!(value["target_lat"], 37.80);
     }
 
     #[test]
     fn every_failing_field_is_named() {
-        let body = json!({"origin_lat": 91, "origin_lon": "x", "target_lat": -90,
-                          "amount_cents": 49, "tip": 1});
+        let body = r#"{"origin_lat": 91, "origin_lon": "x", "target_lat": -90,
+                       "amount_cents": 49, "tip": 1}"#;
         assert_eq!(
             fields(body),
             [
@@ -246,24 +290,55 @@ mod tests {
     }
 
     #[test]
-    fn amount_must_be_an_integer_in_range() {
-        let base = json!({"origin_lat": 0, "origin_lon": 0, "target_lat": 0, "target_lon": 0});
-        let with = |amount: Value| {
-            let mut b = base.clone();
-            b["amount_cents"] = amount;
-            RideRequest::validate(&b)
-        };
-        assert!(with(json!(50)).is_ok());
-        assert!(with(json!(1_000_000)).is_ok());
-        assert!(with(json!(2000.0)).is_ok());
-        assert!(with(json!(49)).is_err());
-        assert!(with(json!(1_000_001)).is_err());
-        assert!(with(json!(20.5)).is_err());
-        assert!(with(json!("2000")).is_err());
+    fn amount_must_be_an_integer_token_in_range() {
+        assert_eq!(with_amount("50"), Ok(50));
+        assert_eq!(with_amount("1000000"), Ok(1_000_000));
+        for bad in [
+            "49",
+            "1000001",
+            "20.5",
+            "2000.0",
+            "2e3",
+            "49.999999999999999",
+            "\"2000\"",
+            "-0",
+            "99999999999999999999999",
+        ] {
+            assert_eq!(
+                with_amount(bad),
+                Err(vec!["amount_cents".to_owned()]),
+                "{bad}"
+            );
+        }
     }
 
     #[test]
-    fn a_non_object_body_is_refused() {
-        assert_eq!(fields(json!([1, 2])), [""]);
+    fn coordinates_are_checked_on_their_exact_text() {
+        let body = |lat: &str| {
+            format!(
+                r#"{{"origin_lat": {lat}, "origin_lon": 0, "target_lat": 0, "target_lon": 0, "amount_cents": 100}}"#
+            )
+        };
+        for good in ["90", "-90", "90.000", "9e1", "89.99999999999999999"] {
+            assert!(RideRequest::parse(body(good).as_bytes()).is_ok(), "{good}");
+        }
+        for bad in ["90.0000000000000001", "-90.0000000000000001", "1e2", "91"] {
+            assert_eq!(fields(&body(bad)), ["origin_lat"], "{bad}");
+        }
+    }
+
+    #[test]
+    fn duplicates_and_nul_are_not_json_and_a_non_object_is_invalid() {
+        let dup = r#"{"amount_cents": 100, "amount_cents": 200, "origin_lat": 0,
+                      "origin_lon": 0, "target_lat": 0, "target_lon": 0}"#;
+        assert!(matches!(
+            RideRequest::parse(dup.as_bytes()),
+            Err(BodyError::NotJson(_))
+        ));
+        assert!(matches!(
+            RideRequest::parse(br#"{"tip": "a\u0000b"}"#),
+            Err(BodyError::NotJson(_))
+        ));
+        assert_eq!(fields("[1, 2]"), [""]);
     }
 }

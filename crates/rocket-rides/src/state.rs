@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use idempotency::{Clock, Store};
 use sqlx::PgPool;
+use tokio_util::task::TaskTracker;
 
-use crate::config::{GatewayArgs, LeaseArgs};
+use crate::config::{GatewayArgs, HttpArgs, LeaseArgs};
 use crate::failpoints::Failpoints;
 use crate::metrics::Metrics;
 use crate::shutdown::Signal;
@@ -43,6 +44,10 @@ pub struct AppState {
     pub giving_up: Signal,
     /// Counters for `GET /metrics`.
     pub metrics: Metrics,
+    /// The edge's limits (timeouts, connections, requests in flight).
+    pub http: HttpArgs,
+    /// The bookings running detached from their connections: shutdown waits for them.
+    pub tasks: TaskTracker,
     /// Crash points armed by tests (empty in builds without the `failpoints` feature).
     pub failpoints: Failpoints,
 }
@@ -65,6 +70,8 @@ impl AppState {
             heartbeat: lease.lease_heartbeat,
             gateway_key_window: gateway.gateway_key_window,
             giving_up: Signal::never(),
+            http: HttpArgs::default(),
+            tasks: TaskTracker::new(),
             metrics: Metrics::default(),
             failpoints: Failpoints::from_env().map_err(StartError::Settings)?,
         })

@@ -10,8 +10,8 @@ pub enum LogFormat {
     /// One human-readable line per event, with the span's fields (the request id) in front.
     #[default]
     Text,
-    /// One JSON object per line: `timestamp`, `level`, `fields`, `target`, and `span` / `spans`
-    /// with the request id, for log shippers.
+    /// One JSON object per line: `timestamp`, `level`, `fields`, `target`, and `span` with the
+    /// request id, for log shippers.
     Json,
 }
 

@@ -80,7 +80,8 @@ async fn replay_returns_stored_status_headers_and_body_byte_for_byte(pool: PgPoo
 async fn same_json_with_other_key_order_and_whitespace_replays(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
-    let reordered = "{\n  \"amount_cents\" : 2000.0, \"target_lon\": -122.27,\"target_lat\":37.80,\n \"origin_lon\": -122.42, \"origin_lat\": 37.77 }";
+    // Another member order, other whitespace, `37.8` for `37.80`: the same JSON value.
+    let reordered = "{\n  \"amount_cents\" : 2000, \"target_lon\": -122.27,\"target_lat\":37.8,\n \"origin_lon\": -122.42, \"origin_lat\": 37.77 }";
     let again = app
         .post_ride(Some(&api_key), Some("\"k-1\""), reordered)
         .await;
@@ -437,6 +438,8 @@ async fn an_unreachable_gateway_is_a_503_and_the_retry_charges_once(pool: PgPool
     tokio::spawn(rocket_rides::app::serve(
         listener,
         router,
+        Default::default(),
+        Default::default(),
         std::future::pending(),
     ));
 
@@ -445,6 +448,7 @@ async fn an_unreachable_gateway_is_a_503_and_the_retry_charges_once(pool: PgPool
         .post(format!("{base}/rides"))
         .bearer_auth(&api_key)
         .header("idempotency-key", "k-1")
+        .header("content-type", "application/json")
         .body(RIDE)
         .send()
         .await
@@ -607,6 +611,7 @@ async fn a_client_that_hangs_up_mid_request_does_not_leave_its_key_locked(pool: 
         .post(format!("{}/rides", app.base))
         .bearer_auth(&api_key)
         .header("idempotency-key", "k-1")
+        .header("content-type", "application/json")
         .body(RIDE)
         .send()
         .await;

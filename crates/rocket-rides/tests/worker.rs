@@ -533,6 +533,7 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
             http.post(format!("{base}/rides"))
                 .bearer_auth(api_key)
                 .header("idempotency-key", "k-1")
+                .header("content-type", "application/json")
                 .body(RIDE)
                 .send()
                 .await
@@ -578,10 +579,12 @@ async fn the_worker_counts_what_its_loops_did_on_its_metrics_endpoint(pool: PgPo
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    let router = rocket_rides::app::worker_router(app.state.clone());
+    let router = rocket_rides::app::metrics_router(app.state.clone());
     tokio::spawn(rocket_rides::app::serve(
         listener,
         router,
+        Default::default(),
+        Default::default(),
         std::future::pending(),
     ));
     let text = app

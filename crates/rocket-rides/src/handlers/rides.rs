@@ -3,11 +3,12 @@
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, Uri};
 use idempotency::{Claim, Fingerprint, Lease, NewRequest};
 use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
-use serde_json::{json, Value};
+use serde_json::json;
 use tracing::Instrument;
 
 use crate::auth::AuthUser;
@@ -15,7 +16,8 @@ use crate::booking::{self, BookingError, RidePoint};
 use crate::metrics::ClaimOutcome;
 use crate::problem::ApiError;
 use crate::problem::ProblemDocument as Problem;
-use crate::ride::{RideRequest, RideView, RideView as Ride, RIDES_ROUTE};
+use crate::problem::{IDENTITY_ONLY_DETAIL, JSON_ONLY_DETAIL};
+use crate::ride::{BodyError, RideRequest, RideView, RideView as Ride, RIDES_ROUTE};
 use crate::state::AppState;
 
 /// `POST /rides`: books a ride and charges the user's card, once per `Idempotency-Key`.
@@ -46,23 +48,27 @@ pub async fn create(
     State(state): State<AppState>,
     user: AuthUser,
     RequiredKey(key): RequiredKey,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     // Everything is validated before the key is claimed: bad input writes no row.
+    json_body_headers(&headers)?;
     let body = body.map_err(|e| match e.status() {
         http::StatusCode::PAYLOAD_TOO_LARGE => ApiError::BodyTooLarge,
-        _ => ApiError::BadJson(e.body_text()),
+        // Cut off, or too slow to arrive (the body-read timeout).
+        _ => ApiError::BadBody(e.body_text()),
     })?;
-    let json: Value =
-        serde_json::from_slice(&body).map_err(|e| ApiError::BadJson(e.to_string()))?;
-    let request = RideRequest::validate(&json).map_err(ApiError::Validation)?;
+    let (request, json) = RideRequest::parse(&body).map_err(|e| match e {
+        BodyError::NotJson(why) => ApiError::BadJson(why),
+        BodyError::Invalid(errors) => ApiError::Validation(errors),
+    })?;
     let params = serde_json::to_value(&request).map_err(|e| ApiError::Internal(e.to_string()))?;
 
     // From the claim on, the request runs in a task of its own. If the client hangs up, hyper
     // drops the handler's future; were the claim, a phase or the release dropped with it, the key
     // would stay locked until its lease expired. The task finishes what it started.
     // The task logs in the request's span, so its lines carry the request id.
-    let task = tokio::spawn(
+    let task = state.clone().tasks.spawn(
         async move {
             let fingerprint = Fingerprint::of_json("POST", RIDES_ROUTE, &json);
             let started = std::time::Instant::now();
@@ -95,6 +101,36 @@ pub async fn create(
     );
     task.await
         .map_err(|e| ApiError::Internal(format!("booking task failed: {e}")))?
+}
+
+/// A positive id in its one canonical decimal form: `30`, never `030`, `+30`, `%33%30` or `3e1`.
+pub fn canonical_id(raw: &str) -> Option<i64> {
+    let canonical =
+        !raw.is_empty() && !raw.starts_with('0') && raw.bytes().all(|b| b.is_ascii_digit());
+    canonical.then(|| raw.parse().ok()).flatten()
+}
+
+/// A body is JSON, said so (`Content-Type: application/json`, parameters such as `charset`
+/// allowed), and not encoded: anything else would be read as something it is not.
+fn json_body_headers(headers: &HeaderMap) -> Result<(), ApiError> {
+    let content_type = headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or("").trim());
+    if !content_type.is_some_and(|t| t.eq_ignore_ascii_case("application/json")) {
+        return Err(ApiError::UnsupportedMediaType(JSON_ONLY_DETAIL));
+    }
+    let encoded = headers
+        .get_all(http::header::CONTENT_ENCODING)
+        .iter()
+        .any(|v| {
+            !v.to_str()
+                .is_ok_and(|v| v.trim().eq_ignore_ascii_case("identity"))
+        });
+    if encoded {
+        return Err(ApiError::UnsupportedMediaType(IDENTITY_ONLY_DETAIL));
+    }
+    Ok(())
 }
 
 /// Runs the booking with the lease and turns its outcome into the answer, releasing the lease
@@ -156,14 +192,38 @@ async fn book(state: &AppState, mut lease: Lease<RidePoint>) -> Result<Response,
 pub async fn show(
     State(state): State<AppState>,
     user: AuthUser,
-    Path(ride_id): Path<String>,
+    uri: Uri,
 ) -> Result<Response, ApiError> {
-    let Ok(ride_id) = ride_id.parse::<i64>() else {
-        return Err(ApiError::NotFound);
-    };
+    // The id as the client wrote it, before any percent-decoding: one ride, one spelling.
+    let raw = uri.path().rsplit('/').next().unwrap_or("");
+    let ride_id = canonical_id(raw).ok_or(ApiError::NotFound)?;
     let ride = RideView::by_id(&state.pool, user.id, ride_id)
         .await
         .map_err(|e| ApiError::Internal(format!("load ride {ride_id}: {e}")))?
         .ok_or(ApiError::NotFound)?;
     Ok(axum::Json(json!(ride)).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_have_one_spelling() {
+        assert_eq!(canonical_id("30"), Some(30));
+        assert_eq!(canonical_id("9223372036854775807"), Some(i64::MAX));
+        for other in [
+            "030",
+            "+30",
+            "%33%30",
+            "3e1",
+            "",
+            "0",
+            "-1",
+            "30 ",
+            "9223372036854775808",
+        ] {
+            assert_eq!(canonical_id(other), None, "{other:?}");
+        }
+    }
 }

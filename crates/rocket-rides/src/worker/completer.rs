@@ -21,7 +21,7 @@ use crate::state::AppState;
 pub struct Report {
     /// Keys claimed.
     pub claimed: usize,
-    /// Keys driven to a final state (a stored 201 or 402).
+    /// Keys driven to a final state (a stored 201, 402 or 502).
     pub finished: usize,
     /// Keys released with a backoff after a failed attempt.
     pub retried: usize,
@@ -130,6 +130,10 @@ async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<Ride
             | BookingError::Crashed(_)),
         ) => e,
     };
+    if let BookingError::GatewayMisconfigured(why) = &error {
+        // Ours to fix, as on the API's path: an error, whatever the key.
+        tracing::error!(key_id, error = %why, "payment gateway misconfigured");
+    }
     let wait = backoff(
         attempts,
         settings.completer_backoff,

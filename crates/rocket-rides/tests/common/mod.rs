@@ -8,7 +8,7 @@ use std::time::Duration;
 use fakestripe::Faults;
 use idempotency::ManualClock;
 use rocket_rides::app::{self, AppState};
-use rocket_rides::config::{GatewayArgs, LeaseArgs};
+use rocket_rides::config::{GatewayArgs, HttpArgs, LeaseArgs};
 use serde_json::Value;
 use sqlx::PgPool;
 use tokio::net::TcpListener;
@@ -32,12 +32,23 @@ pub struct TestApp {
 
 /// A started server's address and the sender that stops it.
 pub async fn spawn(router: axum::Router) -> (String, oneshot::Sender<()>) {
+    spawn_with(router, HttpArgs::default()).await
+}
+
+/// A started server with these edge limits.
+pub async fn spawn_with(router: axum::Router, limits: HttpArgs) -> (String, oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(app::serve(listener, router, async move {
-        let _ = stopped.await;
-    }));
+    tokio::spawn(app::serve(
+        listener,
+        router,
+        limits,
+        Default::default(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
     (format!("http://{addr}"), stop)
 }
 
@@ -156,9 +167,28 @@ impl TestApp {
     /// Starts both servers; with `tls`, fakestripe serves HTTPS with that configuration.
     pub async fn start_full(
         pool: PgPool,
+        gateway_args: GatewayArgs,
+        lease: LeaseArgs,
+        tls: Option<Arc<rustls::ServerConfig>>,
+    ) -> Self {
+        Self::start_inner(pool, gateway_args, lease, tls, HttpArgs::default()).await
+    }
+
+    /// Starts both servers, the service with these edge limits.
+    pub async fn start_with_edge(pool: PgPool, http: HttpArgs) -> Self {
+        let lease = LeaseArgs {
+            lease_ttl: TTL,
+            ..Default::default()
+        };
+        Self::start_inner(pool, GatewayArgs::default(), lease, None, http).await
+    }
+
+    async fn start_inner(
+        pool: PgPool,
         mut gateway_args: GatewayArgs,
         lease: LeaseArgs,
         tls: Option<Arc<rustls::ServerConfig>>,
+        http: HttpArgs,
     ) -> Self {
         rocket_rides::db::migrate(&pool).await.unwrap();
         let gateway_pool = fakestripe::connect(&url_of(&pool).await).await.unwrap();
@@ -170,9 +200,10 @@ impl TestApp {
 
         gateway_args.stripe_api_base = gateway_base;
         let clock = ManualClock::starting_now();
-        let state =
+        let mut state =
             AppState::new(pool.clone(), Arc::new(clock.clone()), &gateway_args, &lease).unwrap();
-        let (base, stop_api) = spawn(app::router(state.clone())).await;
+        state.http = http.clone();
+        let (base, stop_api) = spawn_with(app::router(state.clone()), http).await;
         Self {
             base,
             pool,
@@ -205,7 +236,7 @@ impl TestApp {
         if let Some(key) = key {
             request = request.header("idempotency-key", key);
         }
-        Reply::from(request.send().await.unwrap()).await
+        Reply::read(request.send().await.unwrap()).await
     }
 
     pub async fn get(&self, api_key: &str, path: &str) -> Reply {
@@ -216,7 +247,7 @@ impl TestApp {
             .send()
             .await
             .unwrap();
-        Reply::from(response).await
+        Reply::read(response).await
     }
 
     pub async fn count(&self, sql: &str) -> i64 {
@@ -250,8 +281,7 @@ impl TestApp {
         key: &str,
     ) -> idempotency::Claim<rocket_rides::booking::RidePoint> {
         let key = idempotency::IdempotencyKey::parse(key.as_bytes()).unwrap();
-        let body: Value = serde_json::from_str(RIDE).unwrap();
-        let request = rocket_rides::ride::RideRequest::validate(&body).unwrap();
+        let (request, body) = rocket_rides::ride::RideRequest::parse(RIDE.as_bytes()).unwrap();
         let params = serde_json::to_value(request).unwrap();
         let route = rocket_rides::ride::RIDES_ROUTE;
         self.state
@@ -356,7 +386,7 @@ pub struct Reply {
 }
 
 impl Reply {
-    async fn from(response: reqwest::Response) -> Self {
+    pub async fn read(response: reqwest::Response) -> Self {
         let status = response.status().as_u16();
         let headers = response.headers().clone();
         let body = response.bytes().await.unwrap().to_vec();

@@ -1,0 +1,124 @@
+//! A tower layer that makes a one-step handler idempotent.
+//!
+//! ```text
+//!  request ─► key? ─► scope ─► body (bounded) ─► claim ──acquired──► handler ──final──► store + answer
+//!                                                  │       (its own task)  ├─ 5xx/409/429 ─► release, answer
+//!                                                  │                       ├─ panic ───────► release, 500
+//!                                                  │                       └─ too large ───► release, answer
+//!                                                  └─ replay / 422 / 409 ─► answer without calling the handler
+//! ```
+//!
+//! The layer claims the key, calls the handler once, and stores its answer when the answer is
+//! final (2xx and 4xx other than 408, 409, 425 and 429). Later requests with the key get the
+//! stored answer byte for byte, with `Idempotent-Replayed: true`.
+//!
+//! - **Scope and fingerprint** take the method, the concrete path and the query (not the route
+//!   template): `POST /accounts/A/transfers` and `POST /accounts/B/transfers` are two requests
+//!   even with one key and one body. A path and query longer than 255 characters enter the
+//!   scope as their SHA-256.
+//! - **The claimed work runs detached** from the connection, in a task of its own: a client that
+//!   hangs up does not cancel it, so the key is never left locked by a dropped future, and the
+//!   client's retry finds the answer. The handler itself runs in a task inside it, so that a
+//!   **panic** is seen, the key released, and the client answered 500.
+//! - **A body that cannot be read** is a 400 (over the limit: 413); nothing is claimed.
+//! - **An answer too large to store** (over [`IdempotencyLayer::max_stored_body`], 1 MiB at
+//!   most) is passed to its client whole, but not stored: the key is released, and a retry runs
+//!   the handler again. Give such a handler an effect that is idempotent by itself, or answer
+//!   with a reference to the result rather than the result.
+//! - **A JSON body is fingerprinted canonically** (key order and whitespace do not matter); any
+//!   other body, and JSON with a NUL character (which PostgreSQL's `jsonb` cannot hold), by its
+//!   exact bytes.
+//!
+//! What it cannot do: the handler's writes and the stored answer are not one transaction. If the
+//! process dies after the handler's effect and before the answer is stored, the retry runs the
+//! handler again once the lease expires. Use it for handlers whose effect is idempotent by itself
+//! (an upsert, a call with a derived foreign key) or when one repetition after a crash is
+//! acceptable; write handlers with several effects as phases ([`idempotency::Store::phase`],
+//! as Rocket Rides does), where every step commits with its recovery point.
+
+mod body;
+mod service;
+
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::StatusCode;
+use idempotency::Store;
+
+pub use service::Idempotent;
+
+/// The default largest request body the layer buffers to fingerprint it.
+pub const DEFAULT_MAX_BODY: usize = 64 * 1024;
+
+/// The largest response body the layer can store (the key table's bound); larger answers are
+/// passed through and not stored.
+pub const MAX_STORED_BODY: usize = 1024 * 1024;
+
+/// The only headers of a handler's answer that are stored and replayed: those that describe the
+/// outcome. Per-delivery headers (`Date`, request ids) are not.
+pub const STORED_HEADERS: [&str; 2] = ["content-type", "location"];
+
+/// Detail of the 413.
+pub const BODY_TOO_LARGE_DETAIL: &str = "the request body is larger than this endpoint accepts";
+
+/// Detail of the 400 for a body that could not be read.
+pub const BAD_BODY_DETAIL: &str = "the request body could not be read";
+
+/// Who owns a request's keys: a user id from the request, or the status to refuse it with
+/// (typically 401), answered as an `about:blank` problem.
+pub type ScopeFn = dyn Fn(&Parts) -> Result<i64, StatusCode> + Send + Sync;
+
+/// Wraps a service so that every request through it needs an `Idempotency-Key`.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    store: Store,
+    scope: Arc<ScopeFn>,
+    max_body: usize,
+    max_stored_body: usize,
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("max_body", &self.max_body)
+            .field("max_stored_body", &self.max_stored_body)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store`; `scope` tells whose request it is (typically from an extension your
+    /// authentication middleware set), or answers instead.
+    pub fn new(
+        store: Store,
+        scope: impl Fn(&Parts) -> Result<i64, StatusCode> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            store,
+            scope: Arc::new(scope),
+            max_body: DEFAULT_MAX_BODY,
+            max_stored_body: MAX_STORED_BODY,
+        }
+    }
+
+    /// Changes the largest request body accepted (413 above it).
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.max_body = bytes;
+        self
+    }
+
+    /// Changes the largest answer body stored, at most [`MAX_STORED_BODY`]. A larger answer is
+    /// delivered but not stored, and its key is released (see the module's documentation).
+    pub fn max_stored_body(mut self, bytes: usize) -> Self {
+        self.max_stored_body = bytes.min(MAX_STORED_BODY);
+        self
+    }
+}
+
+impl<S> tower::Layer<S> for IdempotencyLayer {
+    type Service = Idempotent<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotent::new(inner, self.clone())
+    }
+}

@@ -1,0 +1,319 @@
+//! The service the layer makes: read and scope the request, claim, run the handler detached,
+//! store or release.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes};
+use axum::response::{IntoResponse, Response};
+use http::request::Parts;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use idempotency::{Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Store, StoredResponse};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use tower::ServiceExt;
+
+use super::body::Resumed;
+use super::{IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, STORED_HEADERS};
+use crate::extract::key_from_headers;
+use crate::problem::{types, Problem};
+use crate::replay::{acquired_or_respond, stored_response};
+
+/// The longest request target (path and query) kept as such in a key's scope; a longer one is
+/// kept as its SHA-256, within the key table's bound.
+const MAX_SCOPE_TARGET: usize = 255;
+
+/// The service the layer makes.
+#[derive(Debug, Clone)]
+pub struct Idempotent<S> {
+    inner: S,
+    layer: IdempotencyLayer,
+}
+
+impl<S> Idempotent<S> {
+    pub(super) fn new(inner: S, layer: IdempotencyLayer) -> Self {
+        Self { inner, layer }
+    }
+}
+
+impl<S> tower::Service<Request<Body>> for Idempotent<S>
+where
+    S: tower::Service<Request<Body>, Response = Response> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: std::fmt::Display + Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // The clone that was polled ready serves this call; the fresh clone waits for the next.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let layer = self.layer.clone();
+        Box::pin(async move { Ok(handle(layer, inner, request).await.unwrap_or_else(|r| r)) })
+    }
+}
+
+/// A request, read and scoped, ready to be claimed.
+struct Scoped {
+    parts: Parts,
+    bytes: Bytes,
+    key: IdempotencyKey,
+    user_id: i64,
+    /// The path and query, or their SHA-256 when too long for the scope.
+    scope_target: String,
+    /// The path and query as sent: what the fingerprint covers.
+    target: String,
+    params: Value,
+}
+
+async fn handle<S>(
+    layer: IdempotencyLayer,
+    inner: S,
+    request: Request<Body>,
+) -> Result<Response, Response>
+where
+    S: tower::Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: std::fmt::Display + Send + 'static,
+{
+    let (parts, body) = request.into_parts();
+    let key = key_from_headers(&parts.headers).map_err(IntoResponse::into_response)?;
+    let user_id = (layer.scope)(&parts).map_err(|status| {
+        let title = status.canonical_reason().unwrap_or("Refused");
+        Problem::new(status, "about:blank", title).into_response()
+    })?;
+    let bytes = read_body(body, layer.max_body).await?;
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
+    let scope_target = if target.len() <= MAX_SCOPE_TARGET {
+        target.clone()
+    } else {
+        format!("sha256:{}", hex::encode(Sha256::digest(target.as_bytes())))
+    };
+    let params = body_params(&bytes);
+    let scoped = Scoped {
+        parts,
+        bytes,
+        key,
+        user_id,
+        scope_target,
+        target,
+        params,
+    };
+    // From the claim on, the work runs in a task of its own: hyper drops this future when the
+    // client hangs up, and a claim, a handler or a store dropped half-way would leave the key
+    // locked until its lease expired, and the retry would run the handler a second time.
+    match tokio::spawn(claimed(layer, inner, scoped)).await {
+        Ok(answer) => answer,
+        Err(e) => Err(internal_response(&format!("the claimed work failed: {e}"))),
+    }
+}
+
+/// Reads the body up to `limit`: over it, 413; cut off or failing, 400. Nothing is claimed yet.
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, Response> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_large = e
+            .into_inner()
+            .downcast::<http_body_util::LengthLimitError>()
+            .is_ok();
+        if too_large {
+            Problem::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                types::BODY_TOO_LARGE,
+                "Body too large",
+            )
+            .with_detail(BODY_TOO_LARGE_DETAIL)
+            .into_response()
+        } else {
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                types::BAD_BODY,
+                "Body could not be read",
+            )
+            .with_detail(BAD_BODY_DETAIL)
+            .into_response()
+        }
+    })
+}
+
+/// What the key stores of the body: its JSON value, or, for a body that is not JSON or holds a
+/// NUL character (PostgreSQL's `jsonb` cannot store one), the hex of its bytes.
+fn body_params(bytes: &[u8]) -> Value {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(value) if !holds_nul(&value) => value,
+        _ => Value::String(hex::encode(bytes)),
+    }
+}
+
+fn holds_nul(value: &Value) -> bool {
+    match value {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(items) => items.iter().any(holds_nul),
+        Value::Object(members) => members
+            .iter()
+            .any(|(name, value)| name.contains('\0') || holds_nul(value)),
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
+}
+
+/// Claims the key and, when acquired, runs the handler once and stores its final answer.
+async fn claimed<S>(layer: IdempotencyLayer, inner: S, scoped: Scoped) -> Result<Response, Response>
+where
+    S: tower::Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: std::fmt::Display + Send + 'static,
+{
+    let method = scoped.parts.method.as_str().to_owned();
+    let claim = layer
+        .store
+        .claim::<OneStep>(NewRequest {
+            user_id: scoped.user_id,
+            method: &method,
+            route: &scoped.scope_target,
+            key: &scoped.key,
+            fingerprint: Fingerprint::of_json(&method, &scoped.target, &scoped.params),
+            params: &scoped.params,
+        })
+        .await
+        .map_err(store_failed)?;
+    let mut lease = acquired_or_respond(claim)?;
+
+    // The handler runs in a task of its own, so that its panic reaches this task as an error
+    // instead of unwinding through it with the lease held.
+    let request = Request::from_parts(scoped.parts, Body::from(scoped.bytes));
+    let answer = match tokio::spawn(inner.oneshot(request)).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(e)) => {
+            release(&layer.store, lease).await;
+            return Err(internal_response(&format!("the handler failed: {e}")));
+        }
+        Err(e) => {
+            release(&layer.store, lease).await;
+            return Err(internal_response(&format!("the handler panicked: {e}")));
+        }
+    };
+    if !is_final(answer.status()) {
+        release(&layer.store, lease).await;
+        return Ok(answer);
+    }
+    let (answer_parts, answer_body) = answer.into_parts();
+    let collected = match collect_up_to(answer_body, layer.max_stored_body).await {
+        Collected::Whole(bytes) => bytes,
+        Collected::TooLarge(resumed) => {
+            tracing::warn!(
+                key_id = lease.key_id(),
+                limit = layer.max_stored_body,
+                "answer too large to store; delivered, not stored, key released"
+            );
+            release(&layer.store, lease).await;
+            return Ok(Response::from_parts(answer_parts, Body::new(resumed)));
+        }
+        Collected::Broken(e) => {
+            // The answer cannot be delivered either: nothing to replay, the key goes back.
+            release(&layer.store, lease).await;
+            return Err(internal_response(&format!("the answer's body failed: {e}")));
+        }
+    };
+    let stored = StoredResponse {
+        status: answer_parts.status.as_u16(),
+        headers: STORED_HEADERS
+            .iter()
+            .filter_map(|name| {
+                let value = answer_parts.headers.get(*name)?.to_str().ok()?;
+                Some(((*name).to_owned(), value.to_owned()))
+            })
+            .collect(),
+        body: collected.to_vec(),
+    };
+    finish(&layer.store, &mut lease, &stored).await?;
+    // The first delivery is built from what was stored, so replays repeat exactly this.
+    Ok(stored_response(&stored))
+}
+
+async fn finish(
+    store: &Store,
+    lease: &mut Lease<OneStep>,
+    stored: &StoredResponse,
+) -> Result<(), Response> {
+    let phase = store.final_phase(lease).await.map_err(store_failed)?;
+    phase.finish(stored).await.map_err(store_failed)
+}
+
+/// An answer's body, read up to a limit.
+enum Collected {
+    /// All of it, within the limit.
+    Whole(Bytes),
+    /// Over the limit: what was read, and the rest, to deliver whole.
+    TooLarge(Resumed),
+    /// It failed mid-way.
+    Broken(axum::Error),
+}
+
+async fn collect_up_to(mut body: Body, limit: usize) -> Collected {
+    let mut read: VecDeque<http_body::Frame<Bytes>> = VecDeque::new();
+    let mut size = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(e) => return Collected::Broken(e),
+        };
+        size += frame.data_ref().map_or(0, Bytes::len);
+        read.push_back(frame);
+        if size > limit {
+            return Collected::TooLarge(Resumed { read, rest: body });
+        }
+    }
+    let mut whole = Vec::with_capacity(size);
+    for frame in read {
+        if let Ok(data) = frame.into_data() {
+            whole.extend_from_slice(&data);
+        }
+    }
+    Collected::Whole(Bytes::from(whole))
+}
+
+/// Final answers are stored; 5xx and the statuses that invite a retry (408, 409, 425, 429) are not.
+fn is_final(status: StatusCode) -> bool {
+    !(status.is_server_error() || matches!(status.as_u16(), 408 | 409 | 425 | 429))
+}
+
+async fn release(store: &Store, lease: Lease<OneStep>) {
+    let key_id = lease.key_id();
+    if let Err(e) = store.release(lease).await {
+        tracing::warn!(key_id, error = %e, "could not release the idempotency lease");
+    }
+}
+
+/// A 500 that says nothing of its cause; the cause goes to the log.
+fn internal_response(cause: &str) -> Response {
+    tracing::error!(error = %cause, "idempotent request failed");
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        types::HANDLER_FAILED,
+        "Internal error",
+    )
+    .with_detail("the request failed; retry with the same Idempotency-Key")
+    .into_response()
+}
+
+fn store_failed(e: idempotency::Error) -> Response {
+    tracing::error!(error = %e, "idempotency store failed");
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        types::STORE_FAILED,
+        "Internal error",
+    )
+    .with_detail("the request could not be recorded; retry with the same Idempotency-Key")
+    .into_response()
+}
