@@ -4,6 +4,7 @@
 //! (`curl -u sk_test_…:`); both are accepted. Any key of the right shape is valid: its account
 //! is created on first use, so a test needs no setup beyond choosing a key. Different keys are
 //! different accounts and never see each other's customers, charges or idempotency keys.
+//! Accounts are never deleted, so a key's account id is cached after its first request.
 
 use axum::extract::FromRequestParts;
 use base64::Engine;
@@ -33,7 +34,11 @@ impl FromRequestParts<AppState> for Account {
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         let key = secret_key(&parts.headers)?;
+        if let Some(id) = state.cached_account(&key) {
+            return Ok(Self { id });
+        }
         let id = db::account_for_key(state.pool(), &key).await?;
+        state.cache_account(key, id);
         Ok(Self { id })
     }
 }

@@ -62,11 +62,11 @@ pub(crate) async fn create(
 
     let params = Value::Object(params);
     run_detached(async move {
-        let lease =
-            match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await? {
-                Begun::Run(lease) => lease,
-                Begun::Answer(response) => return Ok(response),
-            };
+        let work = match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await?
+        {
+            Begun::Run(work) => work,
+            Begun::Answer(response) => return Ok(response),
+        };
         state.pass_gate().await;
         if !plan.delay.is_zero() {
             state.record_fault(FaultKind::Latency);
@@ -76,7 +76,7 @@ pub(crate) async fn create(
             charge,
             pending: plan.pending,
         };
-        let outcome = idempotent::complete(&state, account.id, lease, &op, plan.stored).await?;
+        let outcome = idempotent::complete(&state, account.id, work, &op, plan.stored).await?;
         if outcome.stored_server_error {
             state.record_fault(match plan.stored {
                 Stored::ServerErrorAfterCharge => FaultKind::Sticky500AfterCharge,

@@ -34,13 +34,13 @@ pub(crate) async fn create(
     let new = parse_new_customer(&params)?;
     let params = Value::Object(params);
     run_detached(async move {
-        let lease =
-            match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await? {
-                Begun::Run(lease) => lease,
-                Begun::Answer(response) => return Ok(response),
-            };
+        let work = match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await?
+        {
+            Begun::Run(work) => work,
+            Begun::Answer(response) => return Ok(response),
+        };
         let op = Operation::CreateCustomer(new);
-        let outcome = idempotent::complete(&state, account.id, lease, &op, Stored::Outcome).await?;
+        let outcome = idempotent::complete(&state, account.id, work, &op, Stored::Outcome).await?;
         Ok(idempotency_axum::stored_response(&outcome.response))
     })
     .await

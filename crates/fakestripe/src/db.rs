@@ -16,9 +16,14 @@ use crate::{ids, Error};
 /// The schema that holds every fakestripe table, the idempotency keys included.
 pub const SCHEMA: &str = "fakestripe";
 
-/// Connections per pool. A charge holds one for its final phase and borrows one briefly for each
-/// of auth, customer lookup and claim; 16 serves the concurrency tests without queueing long.
-const MAX_CONNECTIONS: u32 = 16;
+/// Connections per pool. A keyed charge holds one for its whole transaction, which includes the
+/// injected latency and the test gate, so this bounds the charges in progress at once.
+const MAX_CONNECTIONS: u32 = 64;
+
+/// How long a statement waits for a row lock before failing. A request whose key another request
+/// is inserting, uncommitted, waits this long and is then answered 409 (key in use) instead of
+/// waiting out the other's latency.
+const LOCK_TIMEOUT: &str = "200ms";
 
 /// Connects to the database `database_url` names, creates the `fakestripe` schema if needed,
 /// and returns a pool whose connections use it, with every migration applied.
@@ -32,11 +37,12 @@ pub async fn connect(database_url: &str) -> Result<PgPool, Error> {
 /// [`connect`] from parsed options (tests get them from `#[sqlx::test]`).
 pub async fn connect_with(options: PgConnectOptions) -> Result<PgPool, Error> {
     create_schema(&options).await?;
-    // search_path is set at connection start-up, so every statement of every pooled connection
-    // (the idempotency crate's included) resolves unqualified names in our schema.
+    // search_path and lock_timeout are set at connection start-up, so every statement of every
+    // pooled connection (the idempotency crate's included) resolves unqualified names in our
+    // schema and gives up on a held lock after LOCK_TIMEOUT.
     let pool = PgPoolOptions::new()
         .max_connections(MAX_CONNECTIONS)
-        .connect_with(options.options([("search_path", SCHEMA)]))
+        .connect_with(options.options([("search_path", SCHEMA), ("lock_timeout", LOCK_TIMEOUT)]))
         .await
         .map_err(Error::db(format!(
             "connect to the database with schema {SCHEMA}"

@@ -1,25 +1,28 @@
 //! Stripe's idempotency, built on the `idempotency` crate.
 //!
 //! A `POST` with an `Idempotency-Key` runs as one key of the account (`user_id` = account id)
-//! in a single atomic phase:
+//! in a single transaction, claim included:
 //!
 //! ```text
-//!  validate ──► claim ──► Acquired ──► final phase: { look-ups, business rows + stored response } ──► respond
-//!    │ 400        │                            └─ refused (unknown customer): rolled back, key abandoned, 400
-//!    │ (nothing   ├─ Replay   → the stored status and body, `Idempotent-Replayed: true`
-//!    │  stored)   ├─ Mismatch → 400 idempotency_error (same key, other parameters)
-//!    │            └─ InFlight → 409 idempotency_error / idempotency_key_in_use
-//!    └─ failure inside the phase: rolled back, lease released; a retry runs it afresh
+//!  validate ──► begin: insert the key ──► new: { look-ups, business rows, stored response } ──► commit, respond
+//!    │ 400        │   (one transaction)        └─ refused (unknown customer): rolled back with the key, 400
+//!    │ (nothing   ├─ exists, finished → the stored status and body, `Idempotent-Replayed: true`
+//!    │  stored)   ├─ exists, other parameters → 400 idempotency_error
+//!    │            └─ being run by another request → 409 idempotency_error / idempotency_key_in_use
+//!    └─ failure inside the transaction: rolled back with the key; a retry runs it afresh
 //! ```
 //!
-//! The business rows (a charge, a customer) and the stored response commit in one transaction,
-//! so a key is either unused or finished with exactly the effect its response describes. A
-//! charge row also carries its key's id under a UNIQUE constraint, so the database refuses a
-//! second charge for one key even if a lease were ever shared.
+//! The key, the business rows (a charge, a customer) and the stored response commit in one
+//! transaction, so a key is either unused or finished with exactly the effect its response
+//! describes; no key is ever visible half done. A concurrent request with the same key waits on
+//! the uncommitted insert for at most the connections' `lock_timeout` and is then answered 409,
+//! as Stripe answers a key in use. A charge row also carries its key's id under a UNIQUE
+//! constraint, so the database refuses a second charge for one key even if a lease were ever
+//! shared.
 //!
 //! As with Stripe, a key with a stored result replays it before the request's references are
 //! looked up again; a request refused by validation (an unknown or deleted customer, found after
-//! the claim) keeps nothing, and its key is abandoned so that it can be used again. The injected
+//! the claim) keeps nothing, its key included, so that the key can be used again. The injected
 //! sticky 500s are stored like any result ([`crate::faults`]).
 //!
 //! Differences from Stripe, both deliberate: an internal failure of the fake itself (a database
@@ -31,7 +34,10 @@
 
 use axum::response::Response;
 use http::HeaderMap;
-use idempotency::{Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, StoredResponse};
+use idempotency::{
+    Begun as Claimed, Claim, Fingerprint, FirstPhase, IdempotencyKey, Lease, NewRequest,
+    StoredResponse,
+};
 use serde_json::Value;
 use sqlx::PgConnection;
 
@@ -111,13 +117,25 @@ impl From<idempotency::Error> for Failure {
 /// What a request may do after its claim.
 #[derive(Debug)]
 pub(crate) enum Begun {
-    /// Run the operation, under this lease when the request has a key.
-    Run(Option<Lease<Point>>),
+    /// Run the operation.
+    Run(Work),
     /// Answer at once: a replay, or a refusal.
     Answer(Response),
 }
 
-/// Claims the request's key, if it has one.
+/// Where an operation runs.
+#[derive(Debug)]
+pub(crate) enum Work {
+    /// The request has no key: a transaction of its own.
+    Unkeyed,
+    /// A new key, inserted in this open transaction: the operation joins it.
+    New(FirstPhase<Point>),
+    /// A key left unfinished by an earlier process, taken over: a final phase under the lease.
+    Resumed(Lease<Point>),
+}
+
+/// Claims the request's key, if it has one: one transaction that inserts it, left open for the
+/// operation when the key is new.
 pub(crate) async fn begin(
     state: &AppState,
     account_id: i64,
@@ -126,22 +144,27 @@ pub(crate) async fn begin(
     params: &Value,
 ) -> Result<Begun, ApiError> {
     let Some(key) = key else {
-        return Ok(Begun::Run(None));
+        return Ok(Begun::Run(Work::Unkeyed));
     };
-    let claim = state
+    let request = NewRequest {
+        user_id: account_id,
+        method: "POST",
+        route,
+        key,
+        fingerprint: Fingerprint::of_json("POST", route, params),
+        params,
+    };
+    let claimed = state
         .store()
-        .claim::<Point>(NewRequest {
-            user_id: account_id,
-            method: "POST",
-            route,
-            key,
-            fingerprint: Fingerprint::of_json("POST", route, params),
-            params,
-        })
+        .begin_optimistic::<Point>(request, Point::Started)
         .await
         .map_err(|e| ApiError::internal(&Error::from(e)))?;
+    let claim = match claimed {
+        Claimed::New(first) => return Ok(Begun::Run(Work::New(first))),
+        Claimed::Existing(claim) => claim,
+    };
     Ok(match claim {
-        Claim::Acquired(lease) => Begun::Run(Some(lease)),
+        Claim::Acquired(lease) => Begun::Run(Work::Resumed(lease)),
         Claim::Replay(stored) => Begun::Answer(idempotency_axum::replayed_response(&stored)),
         Claim::Mismatch => Begun::Answer(axum::response::IntoResponse::into_response(
             ApiError::idempotency_mismatch(key.as_str()),
@@ -152,26 +175,49 @@ pub(crate) async fn begin(
     })
 }
 
-/// Runs the operation and, under a lease, keeps `stored` in the same transaction: its own
+/// Runs the operation and, under a key, keeps `stored` in the same transaction: its own
 /// response, or a 500 in its place (the injected sticky errors of [`crate::faults`]).
 pub(crate) async fn complete(
     state: &AppState,
     account_id: i64,
-    lease: Option<Lease<Point>>,
+    work: Work,
     op: &Operation,
     stored: Stored,
 ) -> Result<Outcome, ApiError> {
-    let Some(mut lease) = lease else {
-        let result = async {
-            let context = || format!("run a request of account {account_id} without a key");
-            let mut tx = state.pool().begin().await.map_err(Error::db(context()))?;
-            let outcome = execute(&mut tx, account_id, None, op, stored).await?;
-            tx.commit().await.map_err(Error::db(context()))?;
-            Ok::<_, Failure>(outcome)
-        };
-        return result.await.map_err(|failure| answer(state, failure));
-    };
+    match work {
+        Work::Unkeyed => {
+            let result = async {
+                let context = || format!("run a request of account {account_id} without a key");
+                let mut tx = state.pool().begin().await.map_err(Error::db(context()))?;
+                let outcome = execute(&mut tx, account_id, None, op, stored).await?;
+                tx.commit().await.map_err(Error::db(context()))?;
+                Ok::<_, Failure>(outcome)
+            };
+            result.await.map_err(|failure| answer(state, failure))
+        }
+        Work::New(mut first) => {
+            let key_id = first.lease().key_id();
+            let result = async {
+                let outcome = execute(first.conn(), account_id, Some(key_id), op, stored).await?;
+                first.finish(&outcome.response).await?;
+                Ok::<_, Failure>(outcome)
+            };
+            // On failure the transaction rolls back with the key: nothing is kept, and a retry
+            // (or another request with the key) runs afresh, as with Stripe.
+            result.await.map_err(|failure| answer(state, failure))
+        }
+        Work::Resumed(lease) => complete_resumed(state, account_id, lease, op, stored).await,
+    }
+}
 
+/// The operation of a key that an earlier process left unfinished, in a final phase.
+async fn complete_resumed(
+    state: &AppState,
+    account_id: i64,
+    mut lease: Lease<Point>,
+    op: &Operation,
+    stored: Stored,
+) -> Result<Outcome, ApiError> {
     let store = state.store();
     let result = async {
         let mut phase = store.final_phase(&mut lease).await?;

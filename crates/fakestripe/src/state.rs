@@ -1,6 +1,7 @@
 //! The gateway's shared state: the database, the idempotency store, the faults and their
 //! counters, and the test gate; and the gateway's own key retention.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -58,7 +59,13 @@ struct Inner {
     gate: tokio::sync::watch::Sender<bool>,
     /// How many charges wait at the gate now.
     held: tokio::sync::watch::Sender<usize>,
+    /// Account ids by secret key (accounts are never deleted, so an entry never goes stale).
+    /// Held only to read or insert, never across an await.
+    accounts: Mutex<HashMap<String, i64>>,
 }
+
+/// The most secret keys whose accounts are cached; more are looked up every time.
+const CACHED_ACCOUNTS: usize = 10_000;
 
 impl std::fmt::Debug for AppState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -88,8 +95,31 @@ impl AppState {
                 faults: Mutex::new(FaultState::new(faults)),
                 gate: tokio::sync::watch::channel(true).0,
                 held: tokio::sync::watch::channel(0).0,
+                accounts: Mutex::new(HashMap::new()),
             }),
         }
+    }
+
+    /// The cached account id of a secret key.
+    pub(crate) fn cached_account(&self, secret_key: &str) -> Option<i64> {
+        self.lock_accounts().get(secret_key).copied()
+    }
+
+    /// Caches the account id of a secret key, unless the cache is full.
+    pub(crate) fn cache_account(&self, secret_key: String, id: i64) {
+        let mut accounts = self.lock_accounts();
+        if accounts.len() < CACHED_ACCOUNTS {
+            accounts.insert(secret_key, id);
+        }
+    }
+
+    fn lock_accounts(&self) -> MutexGuard<'_, HashMap<String, i64>> {
+        // A panic while holding the lock cannot leave the map inconsistent: reads and single
+        // inserts only.
+        self.inner
+            .accounts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Replaces the faults (and reseeds their generator) for the requests that follow.

@@ -8,7 +8,7 @@
 //! # The life of a key
 //!
 //! ```text
-//!  claim (one statement) ──► STARTED ──phase──► (app points…) ──phase──► … ──final phase──► FINISHED
+//!  claim (read, write) ────► STARTED ──phase──► (app points…) ──phase──► … ──final phase──► FINISHED
 //!     │                        │                     │                                   response stored,
 //!     │                        └──── any failure: nothing of the failing phase is kept;  lease released
 //!     │                              the lease is released (or expires), the recovery
@@ -16,8 +16,9 @@
 //!     └─ refused: Replay (finished, same payload) · Mismatch (other payload) · InFlight (lease held)
 //! ```
 //!
-//! - [`Store::claim`] inserts the key or takes over its lease in one round trip and returns a
-//!   [`Lease`] with a fresh **fencing token**, or tells why not ([`Claim`]).
+//! - [`Store::claim`] reads the key, then inserts it or takes over its lease, and returns a
+//!   [`Lease`] with a fresh **fencing token**, or tells why not ([`Claim`]). A replay writes
+//!   nothing. [`Store::begin`] merges the claim of a new key with the request's first phase.
 //! - [`Store::phase`] opens an **atomic phase**: one transaction whose first statement is the
 //!   update of the key row fenced by that token. If another holder took the lease over since,
 //!   the update matches nothing, the phase fails with [`Error::LeaseLost`] and nothing it would
@@ -49,8 +50,8 @@ pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
 pub use response::StoredResponse;
 pub use store::{
-    Claim, FinalPhase, KeyFilter, KeyRecord, Lease, NewRequest, OneStep, Phase, RecoveryPoint,
-    Store, DEFAULT_LEASE_TTL,
+    Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease, NewRequest, OneStep, Phase,
+    RecoveryPoint, Store, DEFAULT_LEASE_TTL,
 };
 pub use uuid::Uuid;
 

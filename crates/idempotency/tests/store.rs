@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::{
-    Claim, Error, Fingerprint, IdempotencyKey, ManualClock, NewRequest, RecoveryPoint, Store,
-    StoredResponse,
+    Begun, Claim, Error, Fingerprint, FirstPhase, IdempotencyKey, ManualClock, NewRequest,
+    RecoveryPoint, Store, StoredResponse,
 };
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -441,4 +441,459 @@ async fn a_phase_cannot_skip_to_finished_or_back_to_started(pool: PgPool) {
         let err = store.phase(&mut lease, to).await.unwrap_err();
         assert!(matches!(err, Error::InvalidTransition { .. }), "{err}");
     }
+}
+
+/// The row's physical position and its locker: a write or a row lock changes one of them.
+async fn row_version(pool: &PgPool) -> (String, String) {
+    sqlx::query_as("SELECT ctid::text, xmax::text FROM idempotency_keys")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn unfinished_rows(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM idempotency_keys_unfinished")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn response(body: &str) -> StoredResponse {
+    StoredResponse::json(201, &json!({ "body": body }), vec![])
+}
+
+fn new_phase(begun: Begun<Point>) -> FirstPhase<Point> {
+    match begun {
+        Begun::New(phase) => phase,
+        Begun::Existing(claim) => panic!("expected a new key, got {claim:?}"),
+    }
+}
+
+fn existing(begun: Begun<Point>) -> Claim<Point> {
+    match begun {
+        Begun::Existing(claim) => claim,
+        Begun::New(phase) => panic!(
+            "expected an existing key, got new key {}",
+            phase.lease().key_id()
+        ),
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn refused_claims_neither_write_nor_lock_the_row(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    // Held: a second claim is refused by a read.
+    let held = row_version(&pool).await;
+    assert!(matches!(
+        store.claim::<Point>(request(1, &k, &body)).await.unwrap(),
+        Claim::InFlight { .. }
+    ));
+    assert_eq!(
+        row_version(&pool).await,
+        held,
+        "an in-flight refusal wrote or locked"
+    );
+
+    let mut phase = store.final_phase(&mut lease).await.unwrap();
+    phase.conn();
+    phase.finish(&response("done")).await.unwrap();
+    // A fresh row lock would set xmax; a write would move the row.
+    sqlx::query("SELECT 1 FROM idempotency_keys FOR UPDATE")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let finished = row_version(&pool).await;
+    for _ in 0..3 {
+        assert!(matches!(
+            store.claim::<Point>(request(1, &k, &body)).await.unwrap(),
+            Claim::Replay(_)
+        ));
+        assert!(matches!(
+            store
+                .claim::<Point>(request(1, &k, &json!({"a": 2})))
+                .await
+                .unwrap(),
+            Claim::Mismatch
+        ));
+        assert!(matches!(
+            existing(
+                store
+                    .begin(request(1, &k, &body), Point::Halfway)
+                    .await
+                    .unwrap()
+            ),
+            Claim::Replay(_)
+        ));
+    }
+    assert_eq!(
+        row_version(&pool).await,
+        finished,
+        "a replay or a mismatch wrote or locked the finished row"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn begin_inserts_a_new_key_at_the_first_point_with_the_phase_rows(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut first = new_phase(
+        store
+            .begin(request(1, &k, &body), Point::Halfway)
+            .await
+            .unwrap(),
+    );
+    sqlx::query("INSERT INTO effects VALUES ($1, 'first')")
+        .bind(first.lease().key_id())
+        .execute(first.conn())
+        .await
+        .unwrap();
+    // Nothing is visible before the commit: neither the key nor the phase's rows.
+    assert_eq!(effects(&pool).await, 0);
+    assert_eq!(store.count_unfinished().await.unwrap(), 0);
+    let mut lease = first.commit().await.unwrap();
+    assert_eq!(
+        (lease.recovery_point(), lease.token(), lease.attempts()),
+        (Point::Halfway, 1, 1)
+    );
+    assert_eq!(lease.params(), &body);
+    assert_eq!(effects(&pool).await, 1);
+    assert_eq!(store.count_unfinished().await.unwrap(), 1);
+    assert_eq!(
+        store
+            .find(lease.key_id())
+            .await
+            .unwrap()
+            .unwrap()
+            .recovery_point,
+        "halfway"
+    );
+    // Held by the first request now.
+    assert!(matches!(
+        existing(
+            store
+                .begin(request(1, &k, &body), Point::Halfway)
+                .await
+                .unwrap()
+        ),
+        Claim::InFlight { .. }
+    ));
+    store
+        .final_phase(&mut lease)
+        .await
+        .unwrap()
+        .finish(&response("done"))
+        .await
+        .unwrap();
+    assert_eq!(unfinished_rows(&pool).await, 0);
+    assert!(matches!(
+        existing(
+            store
+                .begin(request(1, &k, &body), Point::Halfway)
+                .await
+                .unwrap()
+        ),
+        Claim::Replay(_)
+    ));
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_first_phase_dropped_uncommitted_leaves_no_key(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    {
+        let mut first = new_phase(
+            store
+                .begin(request(1, &k, &body), Point::Halfway)
+                .await
+                .unwrap(),
+        );
+        sqlx::query("INSERT INTO effects VALUES ($1, 'dropped')")
+            .bind(first.lease().key_id())
+            .execute(first.conn())
+            .await
+            .unwrap();
+        // Dropped here, as when the process dies mid-phase.
+    }
+    assert_eq!(effects(&pool).await, 0);
+    assert_eq!(unfinished_rows(&pool).await, 0);
+    // As if never sent: another payload may use the key.
+    let other = json!({"a": 2});
+    let _first = new_phase(
+        store
+            .begin(request(1, &k, &other), Point::Halfway)
+            .await
+            .unwrap(),
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_key_taken_over_resumes_from_its_point_instead_of_starting_again(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let first = new_phase(
+        store
+            .begin(request(1, &k, &body), Point::Halfway)
+            .await
+            .unwrap(),
+    );
+    let dead = first.commit().await.unwrap();
+    // Its holder died; its lease runs out.
+    clock.advance(TTL);
+    let resumed = match existing(
+        store
+            .begin(request(1, &k, &body), Point::Halfway)
+            .await
+            .unwrap(),
+    ) {
+        Claim::Acquired(lease) => lease,
+        other => panic!("expected a takeover, got {other:?}"),
+    };
+    assert_eq!(resumed.key_id(), dead.key_id());
+    assert_eq!(resumed.token(), 2);
+    assert_eq!(resumed.recovery_point(), Point::Halfway);
+}
+
+#[sqlx::test(migrations = false)]
+async fn concurrent_begins_of_one_new_key_insert_it_once(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let barrier = Arc::new(tokio::sync::Barrier::new(16));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            let (k, body) = (key("same"), json!({"a": 1}));
+            barrier.wait().await;
+            match store
+                .begin::<Point>(request(1, &k, &body), Point::Halfway)
+                .await
+                .unwrap()
+            {
+                Begun::New(mut first) => {
+                    sqlx::query("INSERT INTO effects VALUES ($1, 'once')")
+                        .bind(first.lease().key_id())
+                        .execute(first.conn())
+                        .await
+                        .unwrap();
+                    // Held open a little, so that the others wait on the insert.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let _lease = first.commit().await.unwrap();
+                    true
+                }
+                Begun::Existing(Claim::InFlight { .. }) => false,
+                Begun::Existing(other) => panic!("unexpected {other:?}"),
+            }
+        }));
+    }
+    let mut new = 0;
+    for task in tasks {
+        new += usize::from(task.await.unwrap());
+    }
+    assert_eq!(new, 1);
+    assert_eq!(effects(&pool).await, 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn begin_optimistic_runs_a_request_in_one_transaction(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut first = new_phase(
+        store
+            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .await
+            .unwrap(),
+    );
+    sqlx::query("INSERT INTO effects VALUES ($1, 'one transaction')")
+        .bind(first.lease().key_id())
+        .execute(first.conn())
+        .await
+        .unwrap();
+    first.finish(&response("done")).await.unwrap();
+    assert_eq!(effects(&pool).await, 1);
+    assert_eq!(unfinished_rows(&pool).await, 0);
+    match existing(
+        store
+            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .await
+            .unwrap(),
+    ) {
+        Claim::Replay(stored) => assert_eq!(stored, response("done")),
+        other => panic!("expected Replay, got {other:?}"),
+    }
+    assert!(matches!(
+        existing(
+            store
+                .begin_optimistic(request(1, &k, &json!({"a": 2})), Point::Started)
+                .await
+                .unwrap()
+        ),
+        Claim::Mismatch
+    ));
+    // Committed unfinished instead, the key is listed for the completer.
+    let other = key("k2");
+    let first = new_phase(
+        store
+            .begin_optimistic(request(1, &other, &body), Point::Halfway)
+            .await
+            .unwrap(),
+    );
+    let _lease = first.commit().await.unwrap();
+    assert_eq!(unfinished_rows(&pool).await, 1);
+    assert_eq!(store.count_unfinished().await.unwrap(), 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_key_being_inserted_is_in_flight_once_the_lock_timeout_runs_out(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let options = pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .options([("lock_timeout", "100ms")]);
+    let impatient_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let impatient = Store::new(impatient_pool, Arc::new(idempotency::DatabaseClock), TTL).unwrap();
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let first = new_phase(
+        store
+            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .await
+            .unwrap(),
+    );
+    match existing(
+        impatient
+            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .await
+            .unwrap(),
+    ) {
+        Claim::InFlight { retry_after } => assert_eq!(retry_after, Duration::from_secs(1)),
+        other => panic!("expected InFlight, got {other:?}"),
+    }
+    first.finish(&response("done")).await.unwrap();
+    assert!(matches!(
+        existing(
+            impatient
+                .begin_optimistic(request(1, &k, &body), Point::Started)
+                .await
+                .unwrap()
+        ),
+        Claim::Replay(_)
+    ));
+}
+
+#[sqlx::test(migrations = false)]
+async fn begin_refuses_finished_as_the_first_point(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    for begun in [
+        store
+            .begin::<Point>(request(1, &k, &body), Point::Finished)
+            .await,
+        store
+            .begin_optimistic::<Point>(request(1, &k, &body), Point::Finished)
+            .await,
+    ] {
+        assert!(matches!(begun, Err(Error::InvalidTransition { .. })));
+    }
+    assert_eq!(unfinished_rows(&pool).await, 0);
+}
+
+/// The columns the store's updates set: no index may cover one (predicates of partial indexes
+/// included), or those updates cannot be HOT.
+const UPDATED_COLUMNS: [&str; 11] = [
+    "recovery_point",
+    "locked_until",
+    "lease_token",
+    "attempts",
+    "completer_attempts",
+    "next_attempt_at",
+    "last_run_at",
+    "response_status",
+    "response_headers",
+    "response_body",
+    "finished_at",
+];
+
+#[sqlx::test(migrations = false)]
+async fn no_index_covers_a_column_that_updates_set(pool: PgPool) {
+    setup(&pool).await;
+    // Every column an index uses, as a key, in an expression or in its predicate.
+    let indexed: Vec<(String, String)> = sqlx::query_as(
+        "SELECT i.relname::text, a.attname::text
+         FROM pg_index x
+         JOIN pg_class i ON i.oid = x.indexrelid
+         JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum > 0
+         WHERE x.indrelid = 'idempotency_keys'::regclass
+           AND (a.attnum = ANY (x.indkey)
+                OR pg_get_expr(x.indexprs, x.indrelid) LIKE '%' || a.attname || '%'
+                OR pg_get_expr(x.indpred, x.indrelid) LIKE '%' || a.attname || '%')",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(!indexed.is_empty());
+    let blocking: Vec<_> = indexed
+        .iter()
+        .filter(|(_, column)| UPDATED_COLUMNS.contains(&column.as_str()))
+        .collect();
+    assert!(
+        blocking.is_empty(),
+        "indexes that make updates non-HOT: {blocking:?}"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn key_row_updates_are_hot_without_vacuum(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let body_text = "x".repeat(600);
+    for i in 0..300 {
+        let (k, body) = (key(&format!("k{i}")), json!({"a": i, "note": "a ride"}));
+        let first = new_phase(
+            store
+                .begin(request(1, &k, &body), Point::Halfway)
+                .await
+                .unwrap(),
+        );
+        let mut lease = first.commit().await.unwrap();
+        store.renew(&mut lease).await.unwrap();
+        store
+            .final_phase(&mut lease)
+            .await
+            .unwrap()
+            .finish(&response(&body_text))
+            .await
+            .unwrap();
+    }
+    // Backends report their statistics when they end: close every connection first.
+    let options = pool.connect_options().as_ref().clone();
+    pool.close().await;
+    let mut conn = sqlx::ConnectOptions::connect(&options).await.unwrap();
+    let mut counts = (0, 0);
+    for _ in 0..50 {
+        counts = sqlx::query_as(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables
+             WHERE relname = 'idempotency_keys'",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        if counts.0 >= 600 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    let (updates, hot): (i64, i64) = counts;
+    assert_eq!(updates, 600, "a renewal and a finish per key");
+    assert!(
+        hot * 100 >= updates * 95,
+        "{hot} of {updates} key-row updates were HOT"
+    );
 }

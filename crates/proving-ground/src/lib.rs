@@ -4,8 +4,13 @@
 //! | program | what it proves | module |
 //! |---|---|---|
 //! | `chaos` | every invariant holds while the real processes are killed and cut | [`chaos`] |
+//! | `bench` | what a booking costs, against the same booking without idempotency | [`bench`] |
 //!
-//! Both start the real programs: the `rocket-rides` binary (built with its `failpoints` feature,
-//! which the harness checks), fakestripe, and PostgreSQL from `scripts/postgres.sh`.
+//! Both start the real programs against PostgreSQL from `scripts/postgres.sh`: `chaos` the
+//! `rocket-rides` binary built with its `failpoints` feature (which it checks) and fakestripe
+//! in-process; `bench` a release `rocket-rides` built with its `bench` feature and the
+//! `fakestripe` binary, each as a process of its own.
 
+pub mod bench;
 pub mod chaos;
+mod local;

@@ -42,6 +42,12 @@ pub fn routes(with_metrics: bool) -> (Router<AppState>, utoipa::openapi::OpenApi
     }
     let (routes, mut doc) = routes.split_for_parts();
     crate::openapi::complete(&mut doc);
+    // The benchmark's baseline is left out of the document: no client should ever call it.
+    #[cfg(feature = "bench")]
+    let routes = routes.route(
+        "/bench/rides",
+        axum::routing::post(crate::handlers::bench::create),
+    );
     (routes, doc)
 }
 

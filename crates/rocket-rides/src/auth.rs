@@ -28,10 +28,13 @@ pub fn hash_api_key(key: &str) -> [u8; 32] {
 }
 
 /// The caller, authenticated by `Authorization: Bearer <api key>`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct AuthUser {
     /// `users.id`.
     pub id: i64,
+    /// The user's customer at the payment gateway, read with the key so that a booking need not
+    /// read it again. (A user without one has no API key yet: see `users create`.)
+    pub customer: String,
 }
 
 impl FromRequestParts<AppState> for AuthUser {
@@ -39,12 +42,15 @@ impl FromRequestParts<AppState> for AuthUser {
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         let key = bearer_token(&parts.headers)?;
-        let id: Option<i64> = sqlx::query_scalar("SELECT id FROM users WHERE api_key_hash = $1")
-            .bind(hash_api_key(key).as_slice())
-            .fetch_optional(&state.pool)
-            .await
-            .map_err(|e| ApiError::Internal(format!("authenticate: {e}")))?;
-        id.map(|id| Self { id })
+        let user: Option<(i64, String)> = sqlx::query_as(
+            "SELECT id, stripe_customer_id FROM users
+             WHERE api_key_hash = $1 AND stripe_customer_id IS NOT NULL",
+        )
+        .bind(hash_api_key(key).as_slice())
+        .fetch_optional(&state.pool)
+        .await
+        .map_err(|e| ApiError::Internal(format!("authenticate: {e}")))?;
+        user.map(|(id, customer)| Self { id, customer })
             .ok_or(ApiError::Unauthorized(UNAUTHORIZED_DETAIL))
     }
 }

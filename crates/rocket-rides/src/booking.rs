@@ -1,15 +1,21 @@
 //! `POST /rides` as a machine of atomic phases.
 //!
 //! ```text
-//!  started ──phase 1──► ride_created ──gateway──phase 2──► charge_created ──final phase──► finished
-//!   (claim)   ride row +      │        charge under key      charge id on      receipt job +
-//!             audit record    │        derived from the      the ride          stored 201
-//!                             │        request's UUID
-//!                             ├─ declined ─────────────final phase──► finished (stored 402)
-//!                             ├─ refused for good ─────final phase──► finished (stored 502)
-//!                             ├─ pending ──phase──► charge_pending ──retrieve──► (as above)
-//!                             └─ no answer / 5xx / 401 ──► lease released, 503; resume here
+//!  (new key) ──claim + phase 1──► ride_created ──gateway──final phase──► finished
+//!             key, ride row,          │        charge under key     charge on the ride,
+//!             audit record:           │        derived from the     audit, receipt job,
+//!             one transaction         │        request's UUID       stored 201
+//!                                     ├─ declined ─────────────final phase──► finished (stored 402)
+//!                                     ├─ refused for good ─────final phase──► finished (stored 502)
+//!                                     ├─ pending ──phase──► charge_pending ──retrieve──► (as above)
+//!                                     └─ no answer / 5xx / 401 ──► lease released, 503; resume here
 //! ```
+//!
+//! A new key is claimed in the same transaction as the ride it books ([`idempotency::Store::begin`]),
+//! and the charge is recorded in the same transaction as the stored response: two transactions
+//! around the gateway call. Two points exist only to resume keys written by earlier versions,
+//! which committed the claim and the recorded charge separately: `started` (claimed, nothing
+//! written) and `charge_created` (the charge recorded, the response not stored).
 //!
 //! Each step reads the key's recovery point and does one phase. A request that dies anywhere
 //! leaves the key at its last committed point, and whoever claims the key next — the client's
@@ -37,7 +43,7 @@
 
 use std::time::Instant;
 
-use idempotency::{Lease, RecoveryPoint, StoredResponse};
+use idempotency::{FirstPhase, Lease, RecoveryPoint, StoredResponse};
 use idempotency_axum::Problem;
 use serde_json::json;
 use sqlx::PgConnection;
@@ -45,7 +51,7 @@ use time::OffsetDateTime;
 
 use crate::metrics::{ChargeOutcome, GatewayCall, Reconciliation};
 use crate::problem::types;
-use crate::ride::{RideRequest, RideView};
+use crate::ride::{RideRequest, RideView, RIDE_COLUMNS};
 use crate::state::AppState;
 use crate::stripe::{Charge, ChargeError, NewCharge, REQUEST_METADATA};
 
@@ -57,13 +63,15 @@ pub const RECONCILE_CLOCK_SKEW: time::Duration = time::Duration::minutes(10);
 /// The recovery points of a ride booking.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RidePoint {
-    /// Claimed; nothing written yet.
+    /// Claimed; nothing written yet. Written only by earlier versions, which claimed a key
+    /// before the phase that creates its ride.
     Started,
     /// The ride row exists, unpaid.
     RideCreated,
     /// The gateway created the charge `pending`: recorded on the ride, not paid yet.
     ChargePending,
-    /// The charge is recorded on the ride, paid.
+    /// The charge is recorded on the ride, paid, and the response not stored yet. Written only
+    /// by earlier versions, which recorded the charge in a phase of its own.
     ChargeCreated,
     /// The response is stored.
     Finished,
@@ -158,20 +166,58 @@ pub fn gateway_key(request: idempotency::Uuid, generation: i32) -> String {
     format!("rocket-rides:{request}:charge:{generation}")
 }
 
-/// Runs the booking from the lease's recovery point to a stored response.
+/// The first phase of a new key, merged with its claim: the ride and its audit record, in the
+/// transaction that inserted the key. Returns the lease, at `ride_created`, and what the charge
+/// step needs to know, so that it reads nothing again.
+///
+/// The gateway is asked right after the commit, so the ride's creation time stands for the
+/// first attempt (a crash in between only makes it earlier, which is the safe side for both of
+/// its uses).
+pub async fn create_ride(
+    state: &AppState,
+    mut first: FirstPhase<RidePoint>,
+    request: &RideRequest,
+    customer: &str,
+) -> Result<(Lease<RidePoint>, ChargeTarget), BookingError> {
+    let (user_id, key_id) = (first.lease().user_id(), first.lease().key_id());
+    let started = Instant::now();
+    let (ride_id, first_attempt_at) =
+        insert_ride(first.conn(), state, user_id, Some(key_id), request).await?;
+    let lease = first.commit().await?;
+    state.metrics.phase("ride_created", started.elapsed());
+    crash_point(state, crate::failpoints::AFTER_RIDE_CREATED)?;
+    let target = ChargeTarget {
+        ride_id,
+        amount_cents: request.amount_cents,
+        charge_id: None,
+        customer: customer.to_owned(),
+        generation: 1,
+        first_attempt_at,
+        past_window: false,
+    };
+    Ok((lease, target))
+}
+
+/// Runs the booking from the lease's recovery point to a stored response. `known` is what the
+/// first phase learnt about the ride, when this process ran it; otherwise it is read.
 pub async fn run(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
+    known: Option<ChargeTarget>,
 ) -> Result<StoredResponse, BookingError> {
-    let request: RideRequest = serde_json::from_value(lease.params().clone()).map_err(|e| {
-        BookingError::Internal(format!("key {} has unreadable params: {e}", lease.key_id()))
-    })?;
+    let mut known = known;
     loop {
         let step = match lease.recovery_point() {
-            RidePoint::Started => create_ride(state, lease, &request).await?,
-            RidePoint::RideCreated => charge(state, lease).await?,
+            RidePoint::Started => resume_started(state, lease).await?,
+            RidePoint::RideCreated => {
+                let target = match known.take() {
+                    Some(target) => target,
+                    None => ChargeTarget::load(state, lease).await?,
+                };
+                charge(state, lease, target).await?
+            }
             RidePoint::ChargePending => resolve_pending(state, lease).await?,
-            RidePoint::ChargeCreated => finish(state, lease).await?,
+            RidePoint::ChargeCreated => finish_recorded(state, lease).await?,
             RidePoint::Finished => {
                 return Err(BookingError::Internal(format!(
                     "key {} was acquired although finished",
@@ -189,26 +235,49 @@ pub async fn run(
     }
 }
 
-/// Phase 1: the ride and its audit record. The gateway is asked right after it commits, so the
-/// phase's time stands for the first attempt (a crash in between only makes it earlier, which
-/// is the safe side for both its uses).
-async fn create_ride(
+/// A key an earlier version claimed and left before its first phase: that phase now, on its own.
+async fn resume_started(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
-    request: &RideRequest,
 ) -> Result<Step, BookingError> {
+    let request: RideRequest = serde_json::from_value(lease.params().clone()).map_err(|e| {
+        BookingError::Internal(format!("key {} has unreadable params: {e}", lease.key_id()))
+    })?;
     let user_id = lease.user_id();
-    let now = state.store.now();
     let started = Instant::now();
     let mut phase = state.store.phase(lease, RidePoint::RideCreated).await?;
     let key_id = phase.key_id();
-    let ride_id: i64 = sqlx::query_scalar(
+    insert_ride(phase.conn(), state, user_id, Some(key_id), &request).await?;
+    phase.commit().await?;
+    state.metrics.phase("ride_created", started.elapsed());
+    crash_point(state, crate::failpoints::AFTER_RIDE_CREATED)?;
+    Ok(Step::Advanced)
+}
+
+/// The ride row, unpaid, and its audit record, in one statement; returns the ride's id and
+/// creation time.
+pub(crate) async fn insert_ride(
+    conn: &mut PgConnection,
+    state: &AppState,
+    user_id: i64,
+    key_id: Option<i64>,
+    request: &RideRequest,
+) -> Result<(i64, OffsetDateTime), BookingError> {
+    sqlx::query_as(
         r#"
-        INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
-                           target_lon, amount_cents, charge_first_attempt_at, charge_generation_at)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()),
-                coalesce($8::timestamptz, now()))
-        RETURNING id
+        WITH ride AS (
+            INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
+                               target_lon, amount_cents, charge_first_attempt_at,
+                               charge_generation_at)
+            VALUES ($1, $2, $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()),
+                    coalesce($8::timestamptz, now()))
+            RETURNING id, charge_first_attempt_at
+        ), audited AS (
+            INSERT INTO audit_records (user_id, action, resource_type, resource_id, data)
+            SELECT $1, 'ride.created', 'ride', id, jsonb_build_object('idempotency_key_id', $2)
+            FROM ride
+        )
+        SELECT id, charge_first_attempt_at FROM ride
         "#,
     )
     .bind(user_id)
@@ -218,27 +287,15 @@ async fn create_ride(
     .bind(request.target_lat)
     .bind(request.target_lon)
     .bind(request.amount_cents)
-    .bind(now)
-    .fetch_one(phase.conn())
+    .bind(state.store.now())
+    .fetch_one(conn)
     .await
-    .map_err(db("insert ride"))?;
-    audit(
-        phase.conn(),
-        user_id,
-        "ride.created",
-        ride_id,
-        json!({ "idempotency_key_id": key_id }),
-    )
-    .await?;
-    phase.commit().await?;
-    state.metrics.phase("ride_created", started.elapsed());
-    crash_point(state, crate::failpoints::AFTER_RIDE_CREATED)?;
-    Ok(Step::Advanced)
+    .map_err(db("insert ride"))
 }
 
 /// What the charge step knows about its ride.
 #[derive(Debug, sqlx::FromRow)]
-struct ChargeTarget {
+pub struct ChargeTarget {
     ride_id: i64,
     amount_cents: i32,
     charge_id: Option<String>,
@@ -288,9 +345,12 @@ enum Found {
 }
 
 /// Between phases: the gateway call (after a reconciliation when the key cannot be trusted).
-/// Then the phase that records the charge, or the final phase of a decline or a refusal.
-async fn charge(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, BookingError> {
-    let mut target = ChargeTarget::load(state, lease).await?;
+/// Then the final phase: the charge recorded with the 201, or a decline, or a refusal.
+async fn charge(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    mut target: ChargeTarget,
+) -> Result<Step, BookingError> {
     let mut reconcile = target.past_window;
     loop {
         if reconcile {
@@ -466,7 +526,7 @@ async fn settle(
     match charge.status.as_str() {
         "succeeded" => {
             crash_point(state, crate::failpoints::AFTER_GATEWAY_CHARGE)?;
-            record_charge(state, lease, target.ride_id, &charge, found).await
+            paid(state, lease, target.ride_id, &charge, found).await
         }
         "pending" => {
             if lease.recovery_point() == RidePoint::RideCreated {
@@ -489,8 +549,9 @@ async fn settle(
     }
 }
 
-/// Phase 2: the charge, paid, on the ride.
-async fn record_charge(
+/// The final phase of a paid charge: the charge on the ride, its audit record, the receipt job
+/// and the stored 201, in one transaction.
+async fn paid(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
     ride_id: i64,
@@ -499,29 +560,13 @@ async fn record_charge(
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let started = Instant::now();
-    let mut phase = state.store.phase(lease, RidePoint::ChargeCreated).await?;
-    sqlx::query(
-        "UPDATE rides SET charge_id = $3, status = 'paid', updated_at = now()
-         WHERE id = $1 AND user_id = $2",
-    )
-    .bind(ride_id)
-    .bind(user_id)
-    .bind(&charge.id)
-    .execute(phase.conn())
-    .await
-    .map_err(db("record charge"))?;
-    audit(
-        phase.conn(),
-        user_id,
-        "ride.charged",
-        ride_id,
-        json!({ "charge_id": charge.id, "adopted": found == Found::Adopted }),
-    )
-    .await?;
-    phase.commit().await?;
-    state.metrics.phase("charge_created", started.elapsed());
-    crash_point(state, crate::failpoints::AFTER_CHARGE_CREATED)?;
-    Ok(Step::Advanced)
+    let mut phase = state.store.final_phase(lease).await?;
+    let adopted = found == Found::Adopted;
+    let ride = charge_paid(phase.conn(), user_id, ride_id, &charge.id, adopted).await?;
+    let response = created(&ride)?;
+    phase.finish(&response).await?;
+    state.metrics.phase("finished", started.elapsed());
+    Ok(Step::Respond(response))
 }
 
 /// The charge exists but is pending: recorded, so that the resumption retrieves it instead of
@@ -768,8 +813,12 @@ async fn refused(
     Ok(Step::Respond(response))
 }
 
-/// The final phase: the receipt job and the stored 201.
-async fn finish(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, BookingError> {
+/// The final phase of a key an earlier version left at `charge_created`: its charge is on the
+/// ride already; the receipt job and the stored 201.
+async fn finish_recorded(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let key_id = lease.key_id();
     let started = Instant::now();
@@ -778,23 +827,75 @@ async fn finish(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<Step, 
         .await
         .map_err(db("load ride"))?
         .ok_or_else(|| BookingError::Internal(format!("no ride for key {key_id}")))?;
-    sqlx::query(
-        "INSERT INTO staged_jobs (user_id, job_name, job_args)
-         VALUES ($1, 'send_ride_receipt', $2)",
-    )
-    .bind(user_id)
-    .bind(json!({ "ride_id": ride.ride_id }))
-    .execute(phase.conn())
-    .await
-    .map_err(db("stage receipt job"))?;
-    let response = StoredResponse::json(
-        201,
-        &serde_json::to_value(&ride).map_err(|e| BookingError::Internal(e.to_string()))?,
-        vec![("location".to_owned(), format!("/rides/{}", ride.ride_id))],
-    );
+    stage_receipt(phase.conn(), user_id, ride.ride_id).await?;
+    let response = created(&ride)?;
     phase.finish(&response).await?;
     state.metrics.phase("finished", started.elapsed());
     Ok(Step::Respond(response))
+}
+
+/// A paid charge on its ride, its audit record and the ride's receipt job, in one statement;
+/// returns the ride as it is now.
+pub(crate) async fn charge_paid(
+    conn: &mut PgConnection,
+    user_id: i64,
+    ride_id: i64,
+    charge_id: &str,
+    adopted: bool,
+) -> Result<RideView, BookingError> {
+    sqlx::query_as(&format!(
+        r#"
+        WITH ride AS (
+            UPDATE rides SET charge_id = $3, status = 'paid', updated_at = now()
+            WHERE user_id = $1 AND id = $2
+            RETURNING {RIDE_COLUMNS}
+        ), audited AS (
+            INSERT INTO audit_records (user_id, action, resource_type, resource_id, data)
+            SELECT $1, 'ride.charged', 'ride', id,
+                   jsonb_build_object('charge_id', $3::text, 'adopted', $4::boolean)
+            FROM ride
+        ), receipt AS (
+            INSERT INTO staged_jobs (user_id, job_name, job_args)
+            SELECT $1, 'send_ride_receipt', jsonb_build_object('ride_id', id) FROM ride
+        )
+        SELECT {RIDE_COLUMNS} FROM ride
+        "#
+    ))
+    .bind(user_id)
+    .bind(ride_id)
+    .bind(charge_id)
+    .bind(adopted)
+    .fetch_optional(conn)
+    .await
+    .map_err(db("record charge"))?
+    .ok_or_else(|| BookingError::Internal(format!("no ride {ride_id} to record a charge on")))
+}
+
+/// The receipt job of a ride whose charge an earlier version recorded.
+async fn stage_receipt(
+    conn: &mut PgConnection,
+    user_id: i64,
+    ride_id: i64,
+) -> Result<(), BookingError> {
+    sqlx::query(
+        "INSERT INTO staged_jobs (user_id, job_name, job_args)
+         VALUES ($1, 'send_ride_receipt', jsonb_build_object('ride_id', $2::bigint))",
+    )
+    .bind(user_id)
+    .bind(ride_id)
+    .execute(conn)
+    .await
+    .map_err(db("stage receipt job"))?;
+    Ok(())
+}
+
+/// The 201 of a paid ride.
+pub(crate) fn created(ride: &RideView) -> Result<StoredResponse, BookingError> {
+    Ok(StoredResponse::json(
+        201,
+        &serde_json::to_value(ride).map_err(|e| BookingError::Internal(e.to_string()))?,
+        vec![("location".to_owned(), format!("/rides/{}", ride.ride_id))],
+    ))
 }
 
 fn problem_response(problem: &Problem) -> StoredResponse {

@@ -16,9 +16,19 @@ use crate::telemetry::LogFormat;
 /// chaos harness, which refuses a binary without them).
 pub const FAILPOINTS_MARK: &str = "built with failpoints";
 
-#[cfg(feature = "failpoints")]
+/// What `--version` says of a build with the benchmark's baseline route (`bench`).
+pub const BENCH_MARK: &str = "built with bench";
+
+#[cfg(all(feature = "failpoints", not(feature = "bench")))]
 const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (built with failpoints)");
-#[cfg(not(feature = "failpoints"))]
+#[cfg(all(feature = "bench", not(feature = "failpoints")))]
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (built with bench)");
+#[cfg(all(feature = "failpoints", feature = "bench"))]
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (built with failpoints) (built with bench)"
+);
+#[cfg(not(any(feature = "failpoints", feature = "bench")))]
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// Rocket Rides: book a ride and charge a card, effectively once.

@@ -13,26 +13,23 @@
 //! `ROCKET_RIDES_SABOTAGE=fresh-gateway-key` makes the service call the gateway under a new key on
 //! every attempt instead of the key derived from the key row: the bug the harness must catch.
 
-/// After the phase that creates the ride has committed.
+/// After the phase that claims the key and creates the ride has committed.
 pub const AFTER_RIDE_CREATED: &str = "after_ride_created";
 /// After the phase that starts a new generation of the gateway key committed, before the charge
 /// under it (only on a reconciliation that found no charge).
 pub const AFTER_NEW_GENERATION: &str = "after_new_generation";
 /// After the gateway charged the card, before the charge is recorded.
 pub const AFTER_GATEWAY_CHARGE: &str = "after_gateway_charge";
-/// After the phase that records the charge has committed.
-pub const AFTER_CHARGE_CREATED: &str = "after_charge_created";
 /// After the final phase has committed, before the response leaves.
 pub const AFTER_FINISHED: &str = "after_finished";
 /// In the outbox drain, after a receipt was written and before its job is deleted.
 pub const AFTER_RECEIPT_EFFECT: &str = "after_receipt_effect";
 
 /// Every point, in the order of a request's life.
-pub const ALL: [&str; 6] = [
+pub const ALL: [&str; 5] = [
     AFTER_RIDE_CREATED,
     AFTER_NEW_GENERATION,
     AFTER_GATEWAY_CHARGE,
-    AFTER_CHARGE_CREATED,
     AFTER_FINISHED,
     AFTER_RECEIPT_EFFECT,
 ];

@@ -205,7 +205,9 @@ pub struct RideView {
     pub created_at: OffsetDateTime,
 }
 
-const RIDE_COLUMNS: &str = "id, amount_cents, charge_id, status, origin_lat, origin_lon, \
+/// The columns of a [`RideView`], for the statements that return one.
+pub(crate) const RIDE_COLUMNS: &str =
+    "id, amount_cents, charge_id, status, origin_lat, origin_lon, \
                             target_lat, target_lon, created_at";
 
 impl RideView {

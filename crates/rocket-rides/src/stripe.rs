@@ -232,7 +232,9 @@ impl StripeClient {
         idempotency_key: &str,
     ) -> Result<Customer, ChargeError> {
         let form = [("email", email), ("source", source)];
-        let answer = self.post("/v1/customers", &form, idempotency_key).await?;
+        let answer = self
+            .post("/v1/customers", &form, Some(idempotency_key))
+            .await?;
         answer.decode("/v1/customers")
     }
 
@@ -241,6 +243,24 @@ impl StripeClient {
     pub async fn create_charge(
         &self,
         idempotency_key: &str,
+        charge: &NewCharge<'_>,
+    ) -> Result<Charge, ChargeError> {
+        self.post_charge(Some(idempotency_key), charge).await
+    }
+
+    /// `POST /v1/charges` without an idempotency key: the benchmark's baseline only, which
+    /// measures what a booking costs without any protection. A retry of it can charge twice.
+    #[cfg(feature = "bench")]
+    pub async fn create_charge_without_key(
+        &self,
+        charge: &NewCharge<'_>,
+    ) -> Result<Charge, ChargeError> {
+        self.post_charge(None, charge).await
+    }
+
+    async fn post_charge(
+        &self,
+        idempotency_key: Option<&str>,
         charge: &NewCharge<'_>,
     ) -> Result<Charge, ChargeError> {
         let amount = charge.amount_cents.to_string();
@@ -304,16 +324,18 @@ impl StripeClient {
         &self,
         path: &str,
         form: &[(&str, &str)],
-        idempotency_key: &str,
+        idempotency_key: Option<&str>,
     ) -> Result<Answer, ChargeError> {
         // Serializing string pairs cannot fail.
         let body = serde_urlencoded::to_string(form).expect("string pairs encode");
-        let request = self
+        let mut request = self
             .http
             .post(format!("{}{path}", self.base))
             .header("content-type", "application/x-www-form-urlencoded")
-            .header("idempotency-key", idempotency_key)
             .body(body);
+        if let Some(key) = idempotency_key {
+            request = request.header("idempotency-key", key);
+        }
         self.send(&format!("POST {path}"), request).await
     }
 

@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 
 use sqlx::PgPool;
 
-const TABLES: [&str; 5] = [
+const TABLES: [&str; 6] = [
     "idempotency_keys",
+    "idempotency_keys_unfinished",
     "rides",
     "audit_records",
     "staged_jobs",
@@ -23,11 +24,11 @@ const TABLES: [&str; 5] = [
 const ALL_USERS: &str = "-- all users:";
 
 /// Unique indexes that do not include user_id, each for a reason docs/scaling.md gives.
-const UNIQUE_WITHOUT_USER: [&str; 2] = [
+const UNIQUE_WITHOUT_USER: [&str; 1] = [
     // "A charge is recorded on at most one ride": kept across users by the database itself.
+    // (The library's UNIQUE (id) is dropped by this application's migrations, which reference
+    // (user_id, id) only.)
     "rides_charge_id_key",
-    // For applications whose first migrations reference idempotency_keys (id).
-    "idempotency_keys_id_key",
 ];
 
 /// Every string literal of a Rust source, comments and char literals skipped.

@@ -288,29 +288,31 @@ async fn a_crash_after_the_list_and_before_the_new_generations_charge_resumes_un
 }
 
 #[sqlx::test(migrations = false)]
-async fn a_crash_after_adopting_finishes_with_the_adopted_charge(pool: PgPool) {
+async fn a_crash_after_adopting_replays_the_adopted_charge(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     charged_then_crashed(&app, &api_key).await;
     app.gateway.forget_keys(Duration::ZERO).await.unwrap();
     app.clock
         .advance(DEFAULT_GATEWAY_KEY_WINDOW + Duration::from_secs(1));
-    app.state.failpoints.arm(failpoints::AFTER_CHARGE_CREATED);
+    // The adopted charge is recorded with the stored response, in one transaction: a crash
+    // right after it leaves a finished key, not a recorded charge without an answer.
+    app.state.failpoints.arm(failpoints::AFTER_FINISHED);
     assert_eq!(
         app.post_ride(Some(&api_key), Some("k-1"), RIDE)
             .await
             .status,
         500
     );
-    assert_eq!(app.recovery_point(user_id).await, "charge_created");
-    app.expire_leases();
-    let resumed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
-    assert_eq!(resumed.status, 201, "{resumed:?}");
+    assert_eq!(app.recovery_point(user_id).await, "finished");
+    let replayed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(replayed.status, 201, "{replayed:?}");
+    assert!(replayed.replayed());
     assert_eq!(app.charges().await, 1);
     let charge_id: String = sqlx::query_scalar("SELECT id FROM fakestripe.charges")
         .fetch_one(&app.pool)
         .await
         .unwrap();
-    assert_eq!(resumed.json()["charge_id"], charge_id.as_str());
+    assert_eq!(replayed.json()["charge_id"], charge_id.as_str());
 }
 
 #[sqlx::test(migrations = false)]

@@ -272,8 +272,24 @@ async fn a_request_that_died_after_the_gateway_charged_gets_that_charge_on_retry
 }
 
 #[sqlx::test(migrations = false)]
-async fn a_request_that_died_after_recording_the_charge_is_resumed_by_a_retry(pool: PgPool) {
-    crash_then_resume(pool, failpoints::AFTER_CHARGE_CREATED, "charge_created").await;
+async fn a_key_an_earlier_version_left_at_charge_created_finishes_with_its_charge(pool: PgPool) {
+    let (app, user_id, api_key) = app_with_user(pool).await;
+    app.state.failpoints.arm(failpoints::AFTER_GATEWAY_CHARGE);
+    let crashed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(crashed.status, 500);
+    app.as_left_at_charge_created("k-1").await;
+    let charge_id: String = sqlx::query_scalar("SELECT charge_id FROM rides")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+
+    app.expire_leases();
+    let resumed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(resumed.status, 201, "{resumed:?}");
+    assert_eq!(resumed.json()["charge_id"], charge_id.as_str());
+    assert_eq!(app.recovery_point(user_id).await, "finished");
+    assert_one_paid_ride(&app).await;
+    assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 1);
 }
 
 #[sqlx::test(migrations = false)]
@@ -304,7 +320,9 @@ async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: Pg
     let b = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(b.status, 500);
     // A wakes up and runs its phases: the first fenced update refuses it, before any write.
-    let err = booking::run(&app.state, &mut stale).await.unwrap_err();
+    let err = booking::run(&app.state, &mut stale, None)
+        .await
+        .unwrap_err();
     assert!(matches!(err, BookingError::LeaseLost(_)), "{err}");
     assert_eq!(app.rides().await, 1);
     // Once B's lease is over too, the client's next retry finishes the one ride.

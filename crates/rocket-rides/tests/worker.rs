@@ -64,11 +64,13 @@ async fn the_completer_finishes_keys_abandoned_at_each_recovery_point(pool: PgPo
     let points = [
         failpoints::AFTER_RIDE_CREATED,
         failpoints::AFTER_GATEWAY_CHARGE,
-        failpoints::AFTER_CHARGE_CREATED,
+        failpoints::AFTER_GATEWAY_CHARGE,
     ];
     for (i, point) in points.into_iter().enumerate() {
         abandon(&app, &api_key, &format!("k-{i}"), point).await;
     }
+    // The third as an earlier version left it, with its charge recorded.
+    app.as_left_at_charge_created("k-2").await;
     let at: Vec<String> =
         sqlx::query_scalar("SELECT recovery_point FROM idempotency_keys ORDER BY id")
             .fetch_all(&app.pool)
@@ -317,8 +319,10 @@ async fn a_drain_that_fails_between_effect_and_delete_loses_no_receipt_and_makes
     let app = TestApp::start(pool).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
     for i in 0..2 {
-        app.post_ride(Some(&api_key), Some(&format!("k-{i}")), RIDE)
+        let booked = app
+            .post_ride(Some(&api_key), Some(&format!("k-{i}")), RIDE)
             .await;
+        assert_eq!(booked.status, 201, "{booked:?}");
     }
     app.state.failpoints.arm(failpoints::AFTER_RECEIPT_EFFECT);
     let err = outbox::run_once(&app.state, 100).await.unwrap_err();

@@ -1,77 +1,184 @@
-//! The claim: insert the key or take its lease over, in one statement; and the read that tells
-//! why a claim was refused.
+//! The claim: read the key first, and write only for a key that is absent or can be taken over;
+//! alone, or merged with the request's first phase.
 
 use std::time::Duration;
 
+use sqlx::postgres::PgRow;
 use sqlx::types::Json;
-use sqlx::Row;
+use sqlx::{PgConnection, Postgres, Row, Transaction};
+use time::OffsetDateTime;
+use uuid::Uuid;
 
-use super::model::{lease_from_row, stored_response, Claim, NewRequest, RecoveryPoint, Store};
-use crate::Error;
+use super::model::{
+    lease_from_row, stored_response, Claim, Lease, NewRequest, RecoveryPoint, Store,
+};
+use super::phase::finish_key;
+use crate::{Error, StoredResponse};
 
-/// How often a refused claim is re-read when the row changed between the claim and the read
-/// (for instance, its lease was released in between). More than a few rounds means heavy
-/// contention, and the caller is told to retry later.
+/// How often the claim starts over when the row changed under it (inserted by a concurrent
+/// request, released, reaped). More than a few rounds means heavy contention, and the caller is
+/// told to retry later.
 const CLAIM_ROUNDS: usize = 3;
 
-impl Store {
-    /// Tries to acquire the lease of the request's key, inserting the key if it is new.
-    pub async fn claim<P: RecoveryPoint>(&self, req: NewRequest<'_>) -> Result<Claim<P>, Error> {
-        let context = || format!("claim key {:?} for user {}", req.key.as_str(), req.user_id);
-        for _ in 0..CLAIM_ROUNDS {
-            let row = sqlx::query(
-                r#"
-                INSERT INTO idempotency_keys AS k
-                    (user_id, request_method, request_path, idempotency_key, fingerprint,
-                     request_params, recovery_point, locked_until, created_at, last_run_at)
-                VALUES ($1, $2, $3, $4, $5, $6, $7,
-                        coalesce($8::timestamptz, now()) + $9 * interval '1 millisecond',
-                        coalesce($8::timestamptz, now()), coalesce($8::timestamptz, now()))
-                ON CONFLICT (user_id, request_method, request_path, idempotency_key) DO UPDATE
-                SET lease_token  = k.lease_token + 1,
-                    attempts     = k.attempts + 1,
-                    locked_until = excluded.locked_until,
-                    last_run_at  = excluded.last_run_at
-                -- Take over only an unfinished key of the same payload whose lease is free or
-                -- over. Any other conflict returns no row and is classified by the read below.
-                WHERE k.finished_at IS NULL
-                  AND k.fingerprint = excluded.fingerprint
-                  AND (k.locked_until IS NULL OR k.locked_until <= excluded.last_run_at)
-                RETURNING k.id, k.request_uuid, k.lease_token, k.attempts, k.completer_attempts,
-                          k.recovery_point, k.request_params, k.locked_until
-                "#,
-            )
-            .bind(req.user_id)
-            .bind(req.method)
-            .bind(req.route)
-            .bind(req.key.as_str())
-            .bind(req.fingerprint.as_bytes().as_slice())
-            .bind(Json(req.params))
-            .bind(P::STARTED.name())
-            .bind(self.now())
-            .bind(self.ttl_millis())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(Error::db(context()))?;
+/// PostgreSQL's `lock_not_available`: a `lock_timeout` ran out. During an insert it means
+/// another transaction holds the same key, uncommitted: the request is in flight.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
 
-            if let Some(row) = row {
-                return lease_from_row(&row, req.user_id).map(Claim::Acquired);
+/// The answer to a refused claim when the other holder's lease cannot be read: its transaction
+/// has not committed yet.
+const IN_FLIGHT_UNCOMMITTED: Duration = Duration::from_secs(1);
+
+/// What the key's row says before anything is written.
+enum Found<P> {
+    /// No row: the key is new.
+    Absent,
+    /// An unfinished row of the same payload whose lease is free or over.
+    Claimable,
+    /// A finished row, another payload, or a held lease.
+    Refused(Claim<P>),
+}
+
+/// The outcome of [`Store::begin`] and [`Store::begin_optimistic`].
+#[derive(Debug)]
+pub enum Begun<P: RecoveryPoint> {
+    /// The key was new. It is inserted, at the first point, inside an open transaction: write
+    /// the first phase's rows through [`FirstPhase::conn`] and commit; until then no other
+    /// request sees the key, and a concurrent one with the same key waits for this one's end.
+    New(FirstPhase<P>),
+    /// The key existed: its lease was taken over ([`Claim::Acquired`]; resume from its recovery
+    /// point), or the claim was refused.
+    Existing(Claim<P>),
+}
+
+impl Store {
+    /// Acquires the lease of the request's key, inserting the key at `STARTED` if it is new.
+    ///
+    /// The key is read first, without locks: a replay, a payload mismatch or a held lease is
+    /// answered from that read and writes nothing. Only a key that is absent (an insert) or
+    /// unfinished with its lease free or over (a takeover, with the next fencing token) is
+    /// written. To merge the claim with the first phase, see [`Store::begin`].
+    pub async fn claim<P: RecoveryPoint>(&self, req: NewRequest<'_>) -> Result<Claim<P>, Error> {
+        for _ in 0..CLAIM_ROUNDS {
+            match self.lookup(&req, &self.pool).await? {
+                Found::Refused(refusal) => return Ok(refusal),
+                Found::Claimable => {
+                    if let Some(lease) = self.take_over(&req, &self.pool).await? {
+                        return Ok(Claim::Acquired(lease));
+                    }
+                }
+                Found::Absent => {
+                    let mut conn = self
+                        .pool
+                        .acquire()
+                        .await
+                        .map_err(Error::db(claim_context(&req)))?;
+                    match self.insert(&req, P::STARTED, true, &mut conn).await? {
+                        Inserted::Row(lease) => return Ok(Claim::Acquired(lease)),
+                        Inserted::Conflict => {}
+                        Inserted::Locked => return Ok(in_flight_uncommitted()),
+                    }
+                }
             }
-            if let Some(refusal) = self.classify_refusal(&req).await? {
-                return Ok(refusal);
-            }
-            // The row changed between the two statements (lease released, key reaped): claim again.
+            // The row changed between the read and the write: read again.
         }
-        Ok(Claim::InFlight {
-            retry_after: Duration::from_secs(1),
-        })
+        Ok(in_flight_uncommitted())
     }
 
-    /// Tells why a claim returned no row; `None` when the row no longer refuses a claim.
-    async fn classify_refusal<P: RecoveryPoint>(
+    /// The claim merged with the request's first phase, for a request that expects replays:
+    /// the key is read first, as in [`Store::claim`], so a replay writes nothing. A new key is
+    /// inserted directly at `first` inside a transaction that the caller continues with the
+    /// phase's own rows ([`Begun::New`]): one transaction instead of two.
+    ///
+    /// `first` may be `STARTED` (the row then says only that the request began), not `FINISHED`
+    /// ([`FirstPhase::finish`] stores a response).
+    pub async fn begin<P: RecoveryPoint>(
+        &self,
+        req: NewRequest<'_>,
+        first: P,
+    ) -> Result<Begun<P>, Error> {
+        check_first(first)?;
+        for _ in 0..CLAIM_ROUNDS {
+            match self.lookup(&req, &self.pool).await? {
+                Found::Refused(refusal) => return Ok(Begun::Existing(refusal)),
+                Found::Claimable => {
+                    if let Some(lease) = self.take_over(&req, &self.pool).await? {
+                        return Ok(Begun::Existing(Claim::Acquired(lease)));
+                    }
+                }
+                Found::Absent => {
+                    let mut tx = self.begin_tx(&req).await?;
+                    match self.insert(&req, first, true, &mut tx).await? {
+                        Inserted::Row(lease) => {
+                            return Ok(Begun::New(FirstPhase::new(self, tx, lease, true)))
+                        }
+                        // Dropping the transaction rolls it back.
+                        Inserted::Conflict => {}
+                        Inserted::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
+                    }
+                }
+            }
+        }
+        Ok(Begun::Existing(in_flight_uncommitted()))
+    }
+
+    /// The claim merged with the request's first phase, for a request that rarely repeats: one
+    /// transaction, whose first statement inserts the key at `first`. When the key exists, the
+    /// same transaction reads it and takes it over or tells why not, so a new request and a
+    /// retry each cost one transaction; a replay costs one too, but it inserts nothing and
+    /// locks nothing.
+    ///
+    /// A concurrent request with the same key waits for this transaction to end; set a
+    /// `lock_timeout` on the connections to bound that wait: when it runs out, the claim
+    /// answers [`Claim::InFlight`].
+    pub async fn begin_optimistic<P: RecoveryPoint>(
+        &self,
+        req: NewRequest<'_>,
+        first: P,
+    ) -> Result<Begun<P>, Error> {
+        check_first(first)?;
+        for _ in 0..CLAIM_ROUNDS {
+            let mut tx = self.begin_tx(&req).await?;
+            match self.insert(&req, first, false, &mut tx).await? {
+                Inserted::Row(lease) => {
+                    return Ok(Begun::New(FirstPhase::new(self, tx, lease, false)))
+                }
+                Inserted::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
+                Inserted::Conflict => {}
+            }
+            let claim = match self.lookup(&req, &mut *tx).await? {
+                Found::Refused(refusal) => Some(refusal),
+                Found::Claimable => self.take_over(&req, &mut *tx).await?.map(Claim::Acquired),
+                Found::Absent => None,
+            };
+            match claim {
+                Some(Claim::Acquired(lease)) => {
+                    tx.commit().await.map_err(Error::db(claim_context(&req)))?;
+                    return Ok(Begun::Existing(Claim::Acquired(lease)));
+                }
+                // A refusal wrote nothing: the transaction ends without a commit.
+                Some(refusal) => return Ok(Begun::Existing(refusal)),
+                None => {}
+            }
+        }
+        Ok(Begun::Existing(in_flight_uncommitted()))
+    }
+
+    async fn begin_tx(
         &self,
         req: &NewRequest<'_>,
-    ) -> Result<Option<Claim<P>>, Error> {
+    ) -> Result<Transaction<'static, Postgres>, Error> {
+        self.pool
+            .begin()
+            .await
+            .map_err(Error::db(claim_context(req)))
+    }
+
+    /// Reads the key's row, without locks, and tells what a claim may do with it.
+    async fn lookup<'c, P: RecoveryPoint>(
+        &self,
+        req: &NewRequest<'_>,
+        db: impl sqlx::PgExecutor<'c>,
+    ) -> Result<Found<P>, Error> {
         let row = sqlx::query(
             r#"
             SELECT id, fingerprint, finished_at IS NOT NULL AS finished,
@@ -88,32 +195,246 @@ impl Store {
         .bind(req.route)
         .bind(req.key.as_str())
         .bind(self.now())
-        .fetch_optional(&self.pool)
+        .fetch_optional(db)
         .await
         .map_err(Error::db(format!(
-            "read refused key {:?} of user {}",
+            "read key {:?} of user {}",
             req.key.as_str(),
             req.user_id
         )))?;
+        let Some(row) = row else {
+            return Ok(Found::Absent);
+        };
+        classify(&row, req)
+    }
 
-        let Some(row) = row else { return Ok(None) };
-        let key_id: i64 = row.get("id");
-        let fingerprint: Vec<u8> = row.get("fingerprint");
-        if fingerprint.as_slice() != req.fingerprint.as_bytes() {
-            return Ok(Some(Claim::Mismatch));
-        }
-        if row.get::<bool, _>("finished") {
-            return stored_response(&row, key_id).map(|r| Some(Claim::Replay(r)));
-        }
-        match row.get::<Option<i64>, _>("lease_millis_left") {
-            Some(left) if left > 0 => {
-                // Round up: a client that waits the advertised time must find the lease free.
-                let secs = (left as u64).div_ceil(1000).max(1);
-                Ok(Some(Claim::InFlight {
-                    retry_after: Duration::from_secs(secs),
-                }))
+    /// Takes over the lease of an unfinished key of the same payload whose lease is free or
+    /// over, with the next fencing token; `None` when the row no longer qualifies (another
+    /// claimer was first, or it finished). `UPDATE` re-checks its `WHERE` against the newest
+    /// version of a row it had to wait for, so two claimers never both get it.
+    async fn take_over<'c, P: RecoveryPoint>(
+        &self,
+        req: &NewRequest<'_>,
+        db: impl sqlx::PgExecutor<'c>,
+    ) -> Result<Option<Lease<P>>, Error> {
+        let row = sqlx::query(
+            r#"
+            UPDATE idempotency_keys
+            SET lease_token  = lease_token + 1,
+                attempts     = attempts + 1,
+                locked_until = coalesce($6::timestamptz, now()) + $7 * interval '1 millisecond',
+                last_run_at  = coalesce($6::timestamptz, now())
+            WHERE user_id = $1 AND request_method = $2 AND request_path = $3
+              AND idempotency_key = $4
+              AND finished_at IS NULL
+              AND fingerprint = $5
+              AND (locked_until IS NULL OR locked_until <= coalesce($6::timestamptz, now()))
+            RETURNING id, request_uuid, lease_token, attempts, completer_attempts,
+                      recovery_point, request_params, locked_until
+            "#,
+        )
+        .bind(req.user_id)
+        .bind(req.method)
+        .bind(req.route)
+        .bind(req.key.as_str())
+        .bind(req.fingerprint.as_bytes().as_slice())
+        .bind(self.now())
+        .bind(self.ttl_millis())
+        .fetch_optional(db)
+        .await
+        .map_err(Error::db(claim_context(req)))?;
+        row.map(|row| lease_from_row(&row, req.user_id)).transpose()
+    }
+
+    /// Inserts the key at `point` with token 1, unless it exists. `track` also inserts its row
+    /// of `idempotency_keys_unfinished` in the same statement; without it, whoever commits the
+    /// key unfinished must add that row first ([`FirstPhase::commit`] does).
+    async fn insert<P: RecoveryPoint>(
+        &self,
+        req: &NewRequest<'_>,
+        point: P,
+        track: bool,
+        conn: &mut PgConnection,
+    ) -> Result<Inserted<P>, Error> {
+        let row = sqlx::query(
+            r#"
+            WITH inserted AS (
+                INSERT INTO idempotency_keys
+                    (user_id, request_method, request_path, idempotency_key, fingerprint,
+                     request_params, recovery_point, locked_until, created_at, last_run_at)
+                VALUES ($1, $2, $3, $4, $5, $6, $7,
+                        coalesce($8::timestamptz, now()) + $9 * interval '1 millisecond',
+                        coalesce($8::timestamptz, now()), coalesce($8::timestamptz, now()))
+                ON CONFLICT (user_id, request_method, request_path, idempotency_key) DO NOTHING
+                RETURNING user_id, id, request_uuid, request_method, request_path, created_at,
+                          locked_until
+            ), tracked AS (
+                INSERT INTO idempotency_keys_unfinished
+                    (user_id, key_id, request_method, request_path, created_at)
+                SELECT user_id, id, request_method, request_path, created_at
+                FROM inserted WHERE $10
+            )
+            SELECT id, request_uuid, locked_until FROM inserted
+            "#,
+        )
+        .bind(req.user_id)
+        .bind(req.method)
+        .bind(req.route)
+        .bind(req.key.as_str())
+        .bind(req.fingerprint.as_bytes().as_slice())
+        .bind(Json(req.params))
+        .bind(point.name())
+        .bind(self.now())
+        .bind(self.ttl_millis())
+        .bind(track)
+        .fetch_optional(&mut *conn)
+        .await;
+        let row = match row {
+            Ok(row) => row,
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                return Ok(Inserted::Locked)
             }
-            _ => Ok(None),
+            Err(e) => return Err(Error::db(claim_context(req))(e)),
+        };
+        let Some(row) = row else {
+            return Ok(Inserted::Conflict);
+        };
+        Ok(Inserted::Row(Lease {
+            key_id: row.get("id"),
+            request_uuid: row.get::<Uuid, _>("request_uuid"),
+            user_id: req.user_id,
+            token: 1,
+            attempts: 1,
+            completer_attempts: 0,
+            recovery_point: point,
+            params: req.params.clone(),
+            locked_until: row.get::<OffsetDateTime, _>("locked_until"),
+        }))
+    }
+}
+
+/// What an insert did.
+enum Inserted<P> {
+    Row(Lease<P>),
+    /// The key exists.
+    Conflict,
+    /// The key is being inserted by a transaction that has not ended, and the connection's
+    /// `lock_timeout` ran out waiting for it.
+    Locked,
+}
+
+fn check_first<P: RecoveryPoint>(first: P) -> Result<(), Error> {
+    if first == P::FINISHED {
+        return Err(Error::InvalidTransition {
+            key_id: 0,
+            to: first.name(),
+        });
+    }
+    Ok(())
+}
+
+fn claim_context(req: &NewRequest<'_>) -> String {
+    format!("claim key {:?} for user {}", req.key.as_str(), req.user_id)
+}
+
+fn in_flight_uncommitted<P>() -> Claim<P> {
+    Claim::InFlight {
+        retry_after: IN_FLIGHT_UNCOMMITTED,
+    }
+}
+
+/// Tells what a claim may do with an existing row.
+fn classify<P: RecoveryPoint>(row: &PgRow, req: &NewRequest<'_>) -> Result<Found<P>, Error> {
+    let key_id: i64 = row.get("id");
+    let fingerprint: Vec<u8> = row.get("fingerprint");
+    if fingerprint.as_slice() != req.fingerprint.as_bytes() {
+        return Ok(Found::Refused(Claim::Mismatch));
+    }
+    if row.get::<bool, _>("finished") {
+        return stored_response(row, key_id).map(|r| Found::Refused(Claim::Replay(r)));
+    }
+    match row.get::<Option<i64>, _>("lease_millis_left") {
+        Some(left) if left > 0 => {
+            // Round up: a client that waits the advertised time must find the lease free.
+            let secs = (left as u64).div_ceil(1000).max(1);
+            Ok(Found::Refused(Claim::InFlight {
+                retry_after: Duration::from_secs(secs),
+            }))
         }
+        _ => Ok(Found::Claimable),
+    }
+}
+
+/// A new key's first phase: the transaction that inserted the key, left open for the phase's
+/// own rows. Dropping it without [`FirstPhase::commit`] or [`FirstPhase::finish`] rolls back
+/// the key with them, as if the request had never come.
+#[derive(Debug)]
+#[must_use = "a dropped first phase rolls back its key and its rows: commit or finish it"]
+pub struct FirstPhase<P: RecoveryPoint> {
+    tx: Transaction<'static, Postgres>,
+    lease: Lease<P>,
+    tracked: bool,
+    now: Option<OffsetDateTime>,
+}
+
+impl<P: RecoveryPoint> FirstPhase<P> {
+    fn new(
+        store: &Store,
+        tx: Transaction<'static, Postgres>,
+        lease: Lease<P>,
+        tracked: bool,
+    ) -> Self {
+        Self {
+            tx,
+            lease,
+            tracked,
+            now: store.now(),
+        }
+    }
+
+    /// The transaction's connection, for the phase's business writes.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+
+    /// The lease the request will hold once the phase commits (its key id and request UUID are
+    /// known already).
+    pub fn lease(&self) -> &Lease<P> {
+        &self.lease
+    }
+
+    /// Commits the key at the first point with the phase's rows, and hands the lease over for
+    /// the next phases.
+    pub async fn commit(mut self) -> Result<Lease<P>, Error> {
+        let key_id = self.lease.key_id;
+        let context = || format!("commit the first phase of key {key_id}");
+        if !self.tracked {
+            sqlx::query(
+                r#"
+                INSERT INTO idempotency_keys_unfinished
+                    (user_id, key_id, request_method, request_path, created_at)
+                SELECT user_id, id, request_method, request_path, created_at
+                FROM idempotency_keys WHERE user_id = $1 AND id = $2
+                "#,
+            )
+            .bind(self.lease.user_id)
+            .bind(key_id)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(Error::db(context()))?;
+        }
+        self.tx.commit().await.map_err(Error::db(context()))?;
+        Ok(self.lease)
+    }
+
+    /// Stores `response`, marks the key finished and commits: a request done in one
+    /// transaction, claim included.
+    pub async fn finish(mut self, response: &StoredResponse) -> Result<(), Error> {
+        finish_key(&mut self.tx, &self.lease, response, self.now).await?;
+        let key_id = self.lease.key_id;
+        self.tx
+            .commit()
+            .await
+            .map_err(Error::db(format!("finish key {key_id}")))
     }
 }

@@ -44,16 +44,20 @@ impl Store {
         let candidates: Vec<(i64, i64)> = sqlx::query_as(
             r#"
             -- all users: a read of candidates, without locks; each is claimed below by user.
-            SELECT user_id, id FROM idempotency_keys
-            WHERE finished_at IS NULL
-              AND request_method = $4 AND request_path = $5
-              AND (locked_until IS NULL OR locked_until <= coalesce($1::timestamptz, now()))
+            -- The unfinished keys of the route, oldest first, from their own small table.
+            SELECT k.user_id, k.id
+            FROM idempotency_keys_unfinished u
+            JOIN idempotency_keys k ON k.user_id = u.user_id AND k.id = u.key_id
+            WHERE u.request_method = $4 AND u.request_path = $5
+              AND k.finished_at IS NULL
+              AND (k.locked_until IS NULL OR k.locked_until <= coalesce($1::timestamptz, now()))
               -- The grace, from the last attempt, protects a client still retrying its own key;
               -- once a completer has worked the key, only its backoff applies.
-              AND (completer_attempts > 0
-                   OR last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
-              AND (next_attempt_at IS NULL OR next_attempt_at <= coalesce($1::timestamptz, now()))
-            ORDER BY last_run_at
+              AND (k.completer_attempts > 0
+                   OR k.last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
+              AND (k.next_attempt_at IS NULL
+                   OR k.next_attempt_at <= coalesce($1::timestamptz, now()))
+            ORDER BY u.created_at
             LIMIT $3
             "#,
         )
@@ -157,10 +161,12 @@ impl Store {
         let candidates: Vec<(i64, i64)> = sqlx::query_as(
             r#"
             -- all users: a read of candidates, without locks; each user's are deleted below.
+            -- By creation, whose index no update touches: a key finished before the cutoff was
+            -- created before it. Unfinished old keys are passed over (they are few).
             SELECT user_id, id FROM idempotency_keys
-            WHERE finished_at IS NOT NULL
+            WHERE created_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
               AND finished_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
-            ORDER BY finished_at
+            ORDER BY created_at
             LIMIT $3
             "#,
         )
@@ -200,7 +206,7 @@ impl Store {
     pub async fn count_unfinished(&self) -> Result<i64, Error> {
         sqlx::query_scalar(
             "-- all users: an operator's gauge.
-             SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL",
+             SELECT count(*) FROM idempotency_keys_unfinished",
         )
         .fetch_one(&self.pool)
         .await
@@ -227,7 +233,11 @@ impl Store {
         // One statement per filter rather than `… OR NOT $1` clauses, which no index serves.
         let (clause, status) = match filter {
             KeyFilter::All => ("", None),
-            KeyFilter::Unfinished => ("WHERE finished_at IS NULL", None),
+            KeyFilter::Unfinished => (
+                "-- all users: the keys listed as unfinished.
+                 WHERE (user_id, id) IN (SELECT user_id, key_id FROM idempotency_keys_unfinished)",
+                None,
+            ),
             KeyFilter::FinishedWith(status) => ("WHERE response_status = $2", Some(status)),
         };
         let rows = sqlx::query(&format!(

@@ -3,23 +3,35 @@
 //!
 //! | file | statements |
 //! |---|---|
-//! | `claim.rs` | the claim, and the read that tells a refused claim's reason |
+//! | `claim.rs` | the claim: the read, the insert or the takeover; merged with the first phase |
 //! | `phase.rs` | phases and the final phase (fenced), lease renewal, release, abandon |
 //! | `maintenance.rs` | the completer's claim and backoff, the reaper, inspection (`find`, `list`) |
 //!
 //! # Statements and why they are shaped so
 //!
-//! - **Claim** is one `INSERT … ON CONFLICT … DO UPDATE … WHERE … RETURNING`. A new key is
-//!   inserted with token 1; an existing one is taken over (token + 1) only when it is unfinished,
-//!   has the same fingerprint and its lease is free or expired. `ON CONFLICT DO UPDATE` locks the
-//!   conflicting row and re-checks the `WHERE` against its newest committed version, so two
-//!   claimers can never both get a row back. No row back means the claim was refused, and one
-//!   plain read tells why (replay, payload mismatch, lease held).
+//! - **The claim reads first.** One plain `SELECT` of the key tells replay, payload mismatch or
+//!   held lease, and those write nothing: a replay takes no row lock and waits for no WAL flush.
+//!   Only an absent key is inserted (`INSERT … ON CONFLICT DO NOTHING`, token 1) and only an
+//!   unfinished one of the same payload with its lease free or over is taken over (`UPDATE …
+//!   WHERE` those conditions, token + 1). Both writes re-check under the row's lock, so two
+//!   claimers never both win; the loser reads again.
+//! - **The claim can merge with the first phase** ([`Store::begin`]): a new key is inserted at
+//!   the application's first recovery point inside a transaction that the application continues
+//!   with that phase's rows. Until it commits, a concurrent request with the same key waits on
+//!   the insert and then finds the key held. [`Store::begin_optimistic`] inserts before it reads,
+//!   for requests that rarely repeat (one transaction in every case).
 //! - **A phase** is a READ COMMITTED transaction whose first statement is the fenced update
 //!   `… WHERE id = $1 AND lease_token = $2`. Zero rows: the lease was taken over, the phase
 //!   returns [`Error::LeaseLost`] and the transaction rolls back. One row: the key row is now
 //!   locked by this transaction until commit, so a claimer waits for the phase to end and then
 //!   sees its result; the business writes that follow cannot interleave with a takeover.
+//! - **The final phase** fences with `SELECT … FOR UPDATE` and writes the key row once, when it
+//!   stores the response.
+//! - **Updates are HOT.** No index covers a column that an update sets, and rows are inserted
+//!   into pages a third full, so a key's finished version lands on its own page with no new
+//!   index entries, vacuum or not. The unfinished keys are listed in a table of their own
+//!   (`idempotency_keys_unfinished`, written by the same statements that insert and finish a
+//!   key): the completer scans it, and the reaper scans keys by `created_at`.
 //! - **Release** after a transient failure is fenced the same way, so a stale holder cannot free
 //!   a lease that is no longer its own.
 //! - **The completer's claim** takes abandoned keys in batches with `FOR UPDATE SKIP LOCKED` and
@@ -33,6 +45,7 @@ mod maintenance;
 mod model;
 mod phase;
 
+pub use claim::{Begun, FirstPhase};
 pub use maintenance::{KeyFilter, KeyRecord};
 pub use model::{Claim, Lease, NewRequest, OneStep, RecoveryPoint, Store, DEFAULT_LEASE_TTL};
 pub use phase::{FinalPhase, Phase};

@@ -2,7 +2,7 @@
 //! the response, renewal, release, and abandoning a key that must leave no trace.
 
 use sqlx::types::Json;
-use sqlx::{PgConnection, Postgres, Transaction};
+use sqlx::{PgConnection, Postgres, Row, Transaction};
 use time::OffsetDateTime;
 
 use super::model::{Lease, RecoveryPoint, Store};
@@ -34,12 +34,34 @@ impl Store {
     }
 
     /// Opens the phase that stores the final response and releases the lease.
+    ///
+    /// Its fence locks the key row (`SELECT … FOR UPDATE`) instead of updating it: the row is
+    /// then written once, by [`FinalPhase::finish`], and that one update is HOT.
     pub async fn final_phase<'l, P: RecoveryPoint>(
         &self,
         lease: &'l mut Lease<P>,
     ) -> Result<FinalPhase<'l, P>, Error> {
-        let current = lease.recovery_point.name();
-        let (tx, _) = self.fence(lease, current).await?;
+        let context = || format!("open the final phase of key {}", lease.key_id);
+        let mut tx = self.pool.begin().await.map_err(Error::db(context()))?;
+        let held: Option<i32> = sqlx::query_scalar(
+            r#"
+            SELECT 1 FROM idempotency_keys
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            FOR UPDATE
+            "#,
+        )
+        .bind(lease.key_id)
+        .bind(lease.user_id)
+        .bind(lease.token)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(Error::db(context()))?;
+        if held.is_none() {
+            return Err(Error::LeaseLost {
+                key_id: lease.key_id,
+                token: lease.token,
+            });
+        }
         Ok(FinalPhase {
             tx,
             lease,
@@ -150,17 +172,24 @@ impl Store {
     pub async fn abandon<P: RecoveryPoint>(&self, lease: Lease<P>) -> Result<(), Error> {
         let deleted = sqlx::query(
             r#"
-            DELETE FROM idempotency_keys
-            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            WITH deleted AS (
+                DELETE FROM idempotency_keys
+                WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+                RETURNING user_id, id
+            ), untracked AS (
+                DELETE FROM idempotency_keys_unfinished u USING deleted d
+                WHERE u.user_id = d.user_id AND u.key_id = d.id
+            )
+            SELECT count(*) FROM deleted
             "#,
         )
         .bind(lease.key_id)
         .bind(lease.user_id)
         .bind(lease.token)
-        .execute(&self.pool)
+        .fetch_one(&self.pool)
         .await
         .map_err(Error::db(format!("abandon key {}", lease.key_id)))?;
-        if deleted.rows_affected() == 0 {
+        if deleted.get::<i64, _>(0) == 0 {
             return Err(Error::LeaseLost {
                 key_id: lease.key_id,
                 token: lease.token,
@@ -227,12 +256,30 @@ impl<P: RecoveryPoint> FinalPhase<'_, P> {
 
     /// Stores `response`, marks the key finished, releases the lease and commits.
     pub async fn finish(mut self, response: &StoredResponse) -> Result<(), Error> {
+        finish_key(&mut self.tx, self.lease, response, self.now).await?;
         let key_id = self.lease.key_id;
-        let context = || format!("finish key {key_id}");
-        // The row is locked by this transaction's fenced update, so no token check is needed
-        // again; it is kept anyway so that this statement is safe on its own.
-        let finished = sqlx::query(
-            r#"
+        self.tx
+            .commit()
+            .await
+            .map_err(Error::db(format!("finish key {key_id}")))?;
+        self.lease.recovery_point = P::FINISHED;
+        Ok(())
+    }
+}
+
+/// The statement that finishes a key: the response stored, the lease released, and the key's
+/// row of `idempotency_keys_unfinished` deleted. Fenced by the token, so that it is safe on its
+/// own; in a final phase the row is locked already.
+pub(super) async fn finish_key<P: RecoveryPoint>(
+    conn: &mut PgConnection,
+    lease: &Lease<P>,
+    response: &StoredResponse,
+    now: Option<OffsetDateTime>,
+) -> Result<(), Error> {
+    let key_id = lease.key_id;
+    let finished: i64 = sqlx::query_scalar(
+        r#"
+        WITH finished AS (
             UPDATE idempotency_keys
             SET recovery_point   = $4,
                 response_status  = $5,
@@ -240,28 +287,31 @@ impl<P: RecoveryPoint> FinalPhase<'_, P> {
                 response_body    = $7,
                 locked_until     = NULL,
                 finished_at      = coalesce($8::timestamptz, now())
-            WHERE id = $1 AND user_id = $2 AND lease_token = $3
-            "#,
+            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            RETURNING user_id, id
+        ), untracked AS (
+            DELETE FROM idempotency_keys_unfinished u USING finished f
+            WHERE u.user_id = f.user_id AND u.key_id = f.id
         )
-        .bind(key_id)
-        .bind(self.lease.user_id)
-        .bind(self.lease.token)
-        .bind(P::FINISHED.name())
-        .bind(response.status as i16)
-        .bind(Json(&response.headers))
-        .bind(&response.body)
-        .bind(self.now)
-        .execute(&mut *self.tx)
-        .await
-        .map_err(Error::db(context()))?;
-        if finished.rows_affected() == 0 {
-            return Err(Error::LeaseLost {
-                key_id,
-                token: self.lease.token,
-            });
-        }
-        self.tx.commit().await.map_err(Error::db(context()))?;
-        self.lease.recovery_point = P::FINISHED;
-        Ok(())
+        SELECT count(*) FROM finished
+        "#,
+    )
+    .bind(key_id)
+    .bind(lease.user_id)
+    .bind(lease.token)
+    .bind(P::FINISHED.name())
+    .bind(response.status as i16)
+    .bind(Json(&response.headers))
+    .bind(&response.body)
+    .bind(now)
+    .fetch_one(conn)
+    .await
+    .map_err(Error::db(format!("finish key {key_id}")))?;
+    if finished == 0 {
+        return Err(Error::LeaseLost {
+            key_id,
+            token: lease.token,
+        });
     }
+    Ok(())
 }

@@ -267,7 +267,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     // A new key generation is rare (a reconciliation that found nothing), so its point is
     // armed more often than the others.
     let crash_spec = "after_ride_created=0.004,after_new_generation=0.05,\
-                      after_gateway_charge=0.004,after_charge_created=0.004,after_finished=0.004,\
+                      after_gateway_charge=0.005,after_finished=0.005,\
                       after_receipt_effect=0.004";
     let mut env = vec![
         ("DATABASE_URL".to_owned(), database_url.clone()),
@@ -325,7 +325,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     let mut targets = Vec::new();
     let mut client_proxies = Vec::new();
     for i in 0..args.api_instances {
-        let port = free_port()?;
+        let port = crate::local::free_port()?;
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         apis.push(Supervised::start(
             ProcessSpec {
@@ -612,7 +612,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     for api in apis {
         api.stop().await;
     }
-    let calm_api_port = free_port()?;
+    let calm_api_port = crate::local::free_port()?;
     let calm_api: SocketAddr = format!("127.0.0.1:{calm_api_port}").parse()?;
     let calm = Supervised::start(
         ProcessSpec {
@@ -749,31 +749,12 @@ fn service_binary(given: Option<&std::path::Path>) -> anyhow::Result<PathBuf> {
     Ok(program)
 }
 
-fn free_port() -> std::io::Result<u16> {
-    // The OS picks a free port; the short window before the child binds it is harmless on a
-    // machine where nothing else races for loopback ports.
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 /// Waits (bounded) until every API process answers `/healthz` through its address.
 async fn wait_until_serving(targets: &[SocketAddr]) -> anyhow::Result<()> {
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(1))
-        .build()?;
     for target in targets {
-        let mut up = false;
-        for _ in 0..200 {
-            if let Ok(response) = http.get(format!("http://{target}/healthz")).send().await {
-                if response.status().is_success() {
-                    up = true;
-                    break;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        anyhow::ensure!(up, "the API behind {target} did not come up (see its log)");
+        crate::local::wait_until_answering(&format!("http://{target}/healthz"))
+            .await
+            .with_context(|| format!("the API behind {target} did not come up"))?;
     }
     Ok(())
 }

@@ -6,7 +6,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Uri};
-use idempotency::{Claim, Fingerprint, Lease, NewRequest};
+use idempotency::{Begun, Claim, Fingerprint, Lease, NewRequest};
 use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
 use serde_json::json;
 use tracing::Instrument;
@@ -72,29 +72,43 @@ pub async fn create(
         async move {
             let fingerprint = Fingerprint::of_json("POST", RIDES_ROUTE, &json);
             let started = std::time::Instant::now();
-            let claim = state
+            // A replay, a mismatch or a key in flight is answered from one read. A new key is
+            // inserted in the transaction that creates its ride.
+            let begun = state
                 .store
-                .claim::<RidePoint>(NewRequest {
-                    user_id: user.id,
-                    method: "POST",
-                    route: RIDES_ROUTE,
-                    key: &key,
-                    fingerprint,
-                    params: &params,
-                })
+                .begin::<RidePoint>(
+                    NewRequest {
+                        user_id: user.id,
+                        method: "POST",
+                        route: RIDES_ROUTE,
+                        key: &key,
+                        fingerprint,
+                        params: &params,
+                    },
+                    RidePoint::RideCreated,
+                )
                 .await?;
             state.metrics.claim(
-                match &claim {
-                    Claim::Acquired(_) => ClaimOutcome::Acquired,
-                    Claim::Replay(_) => ClaimOutcome::Replayed,
-                    Claim::Mismatch => ClaimOutcome::Mismatch,
-                    Claim::InFlight { .. } => ClaimOutcome::InFlight,
+                match &begun {
+                    Begun::New(_) | Begun::Existing(Claim::Acquired(_)) => ClaimOutcome::Acquired,
+                    Begun::Existing(Claim::Replay(_)) => ClaimOutcome::Replayed,
+                    Begun::Existing(Claim::Mismatch) => ClaimOutcome::Mismatch,
+                    Begun::Existing(Claim::InFlight { .. }) => ClaimOutcome::InFlight,
                 },
                 started.elapsed(),
             );
-            match acquired_or_respond(claim) {
-                Ok(lease) => book(&state, lease).await,
-                Err(refusal) => Ok(refusal),
+            match begun {
+                Begun::New(first) => {
+                    let (lease, target) =
+                        booking::create_ride(&state, first, &request, &user.customer)
+                            .await
+                            .map_err(unfinished_first_phase)?;
+                    book(&state, lease, Some(target)).await
+                }
+                Begun::Existing(claim) => match acquired_or_respond(claim) {
+                    Ok(lease) => book(&state, lease, None).await,
+                    Err(refusal) => Ok(refusal),
+                },
             }
         }
         .instrument(tracing::Span::current()),
@@ -133,12 +147,29 @@ fn json_body_headers(headers: &HeaderMap) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The answer when the first phase did not finish: it rolled back with its key (a retry starts
+/// afresh), or it committed and a crash point stopped the request (the key waits for its lease
+/// to expire, as a dead process leaves it).
+fn unfinished_first_phase(error: BookingError) -> ApiError {
+    match error {
+        BookingError::Crashed(point) => {
+            tracing::warn!(point, "crash point hit");
+            ApiError::Internal(format!("crashed at {point}"))
+        }
+        other => ApiError::Internal(other.to_string()),
+    }
+}
+
 /// Runs the booking with the lease and turns its outcome into the answer, releasing the lease
 /// on every failure a retry can resume from.
-async fn book(state: &AppState, mut lease: Lease<RidePoint>) -> Result<Response, ApiError> {
+async fn book(
+    state: &AppState,
+    mut lease: Lease<RidePoint>,
+    known: Option<booking::ChargeTarget>,
+) -> Result<Response, ApiError> {
     let mut giving_up = state.giving_up.clone();
     let outcome = tokio::select! {
-        outcome = booking::run(state, &mut lease) => outcome,
+        outcome = booking::run(state, &mut lease, known) => outcome,
         // Shutdown deadline: stop between two statements of the machine (an open phase rolls
         // back), hand the key back, and let the client's retry resume it elsewhere.
         _ = giving_up.wait() => Err(BookingError::GivenUp),

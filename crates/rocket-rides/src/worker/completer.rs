@@ -108,7 +108,7 @@ async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<Ride
     let attempts = lease.completer_attempts();
     let mut giving_up = state.giving_up.clone();
     let outcome = tokio::select! {
-        outcome = booking::run(state, &mut lease) => outcome,
+        outcome = booking::run(state, &mut lease, None) => outcome,
         _ = giving_up.wait() => Err(BookingError::GivenUp),
     };
     let error = match outcome {

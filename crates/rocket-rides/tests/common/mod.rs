@@ -368,6 +368,33 @@ impl TestApp {
     }
 
     /// The recovery point of the only key of this user.
+    /// Leaves the key `key`, whose request died after the gateway charged, as earlier versions
+    /// left a request that died after recording its charge: the charge on the ride, paid, the
+    /// key at `charge_created` with no response stored.
+    pub async fn as_left_at_charge_created(&self, key: &str) {
+        let recorded = sqlx::query(
+            "WITH k AS (SELECT user_id, id, request_uuid FROM idempotency_keys
+                        WHERE idempotency_key = $1),
+                  c AS (SELECT id FROM fakestripe.charges
+                        WHERE metadata->>'rocket_rides_request' = (SELECT request_uuid::text FROM k)),
+                  r AS (UPDATE rides SET charge_id = (SELECT id FROM c), status = 'paid'
+                        WHERE (user_id, idempotency_key_id) = (SELECT user_id, id FROM k)
+                        RETURNING id)
+             UPDATE idempotency_keys SET recovery_point = 'charge_created'
+             WHERE id = (SELECT id FROM k) AND recovery_point = 'ride_created'
+               AND (SELECT count(*) FROM r) = 1",
+        )
+        .bind(key)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            recorded.rows_affected(),
+            1,
+            "key {key} was not charged at ride_created"
+        );
+    }
+
     pub async fn recovery_point(&self, user_id: i64) -> String {
         sqlx::query_scalar("SELECT recovery_point FROM idempotency_keys WHERE user_id = $1")
             .bind(user_id)

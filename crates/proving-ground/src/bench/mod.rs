@@ -1,0 +1,440 @@
+//! `bench`: the real stack under load, measured the way PostgreSQL and the kernel count work.
+//!
+//! ```text
+//!  clients (this process, HDR histograms) ──► rocket-rides serve ──► fakestripe
+//!                                                  │                    │
+//!                                   database bench_<run>_service   bench_<run>_gateway
+//! ```
+//!
+//! Each scenario at each concurrency gets a life of the stack of its own: the gateway and the
+//! service start, the load runs (a warm-up, then the measured time), both stop. PostgreSQL's
+//! statistics are read before the start and after the stop (a backend reports its counters when
+//! it ends, so every one of the life's transactions is counted). A life without load is
+//! measured first, and its fixed cost (start-up queries, the probe's own read) is subtracted.
+//!
+//! Per request: the service database's transactions and rows written, the gateway database's
+//! transactions, the server's WAL bytes, the CPU time of the service, the gateway, PostgreSQL
+//! and the clients themselves; and for the key table, the share of its updates that were HOT.
+//!
+//! The benchmark checks its own results too: every storm key booked once, and one gateway
+//! charge per paid ride. It asserts nothing about speed.
+
+mod load;
+mod probe;
+pub mod report;
+mod stack;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+
+pub use self::load::Scenario;
+use self::load::{Outcome, Target, STORM_SIZE};
+use self::probe::{Counters, Cpu};
+use self::report::{Check, CpuPerRequest, Latency, Measurement, Report};
+use self::stack::{Databases, Programs, Stack};
+
+/// `bench` options.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// PostgreSQL server URL; the run creates two fresh databases on that server.
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: String,
+    /// Measured time per scenario and concurrency (after the warm-up).
+    #[arg(long, value_parser = parse_bounded_duration, default_value = "5s")]
+    pub duration: Duration,
+    /// Unmeasured time at the start of each measurement.
+    #[arg(long, value_parser = rocket_rides::config::parse_duration, default_value = "1s")]
+    pub warmup: Duration,
+    /// Client counts to measure `create`, `replay` and `baseline` at (comma-separated). The
+    /// storm always sends 64 at once.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32",
+          value_parser = clap::value_parser!(u16).range(1..=512))]
+    pub concurrency: Vec<u16>,
+    /// Scenarios to run, in this order (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_enum,
+        default_value = "create,replay,storm,baseline"
+    )]
+    pub scenario: Vec<Scenario>,
+    /// Users the clients spread over.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub users: u16,
+    /// The `rocket-rides` binary; `baseline` needs one built with the `bench` feature. Default:
+    /// the one next to this program.
+    #[arg(long, env = "ROCKET_RIDES_BIN")]
+    pub service_bin: Option<PathBuf>,
+    /// The `fakestripe` binary. Default: the one next to this program.
+    #[arg(long, env = "FAKESTRIPE_BIN")]
+    pub gateway_bin: Option<PathBuf>,
+    /// Another build to measure side by side (an earlier commit's `rocket-rides`): every
+    /// measurement runs on both, alternately, each on databases of its own.
+    #[arg(long, requires = "compare_gateway_bin")]
+    pub compare_service_bin: Option<PathBuf>,
+    /// The `fakestripe` of the build to compare with.
+    #[arg(long, requires = "compare_service_bin")]
+    pub compare_gateway_bin: Option<PathBuf>,
+    /// How many times each measurement runs (per build); the report takes the median.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=20))]
+    pub rounds: u16,
+    /// Where `<run>/report.json` and the processes' logs go.
+    #[arg(long, default_value = "target/bench")]
+    pub report_dir: PathBuf,
+    /// Keep the run's databases afterwards.
+    #[arg(long)]
+    pub keep_databases: bool,
+}
+
+fn parse_bounded_duration(s: &str) -> Result<Duration, String> {
+    let d = rocket_rides::config::parse_duration(s)?;
+    if d < Duration::from_secs(1) || d > Duration::from_secs(600) {
+        return Err(format!("must be between 1s and 10m, got {s}"));
+    }
+    Ok(d)
+}
+
+/// Runs the benchmark, prints the table and writes the report; fails when a check failed.
+pub async fn run_and_print(args: BenchArgs) -> anyhow::Result<()> {
+    let report = run(args).await?;
+    println!("{}", report.table());
+    anyhow::ensure!(report.passed, "a check failed: see above");
+    Ok(())
+}
+
+/// One build under measurement, with its own databases and users.
+struct Subject {
+    name: &'static str,
+    programs: Programs,
+    databases: Databases,
+    api_keys: Arc<Vec<String>>,
+    /// A life of its stack without load: what every measurement subtracts.
+    fixed: Counters,
+    logs: PathBuf,
+    storm_keys: Vec<String>,
+    storm_violations: Vec<String>,
+}
+
+/// Runs the benchmark and writes `report.json`.
+pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
+    anyhow::ensure!(!args.scenario.is_empty(), "--scenario names no scenario");
+    anyhow::ensure!(!args.concurrency.is_empty(), "--concurrency names no count");
+    let mut scenarios = args.scenario.clone();
+    scenarios.dedup();
+    let mut concurrency: Vec<usize> = args.concurrency.iter().map(|&c| usize::from(c)).collect();
+    concurrency.sort_unstable();
+    concurrency.dedup();
+    let mut builds = vec![(
+        "current",
+        Programs::find(args.service_bin.as_deref(), args.gateway_bin.as_deref())?,
+    )];
+    if let (Some(service), Some(gateway)) = (&args.compare_service_bin, &args.compare_gateway_bin) {
+        builds.push(("compared", Programs::find(Some(service), Some(gateway))?));
+    }
+    anyhow::ensure!(
+        builds[0].1.has_baseline || !scenarios.contains(&Scenario::Baseline),
+        "the baseline needs a service built with `--features bench` ({} says {:?}); \
+         scripts/bench.sh builds one",
+        builds[0].1.service.display(),
+        builds[0].1.service_version
+    );
+
+    let run = time::OffsetDateTime::now_utc()
+        .format(time::macros::format_description!(
+            "[year][month][day]t[hour][minute][second]"
+        ))
+        .context("format the run's name")?
+        + &format!("_{}", std::process::id());
+    let dir = args.report_dir.join(&run);
+    eprintln!("bench: run {run}, logs in {}", dir.display());
+
+    let mut subjects = Vec::new();
+    let mut result = Ok(());
+    for (name, programs) in builds {
+        let logs = dir.join(name);
+        std::fs::create_dir_all(&logs).with_context(|| format!("create {}", logs.display()))?;
+        let databases = match Databases::create(&args.database_url, &format!("{run}_{name}")).await
+        {
+            Ok(databases) => databases,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        };
+        let mut subject = Subject {
+            name,
+            programs,
+            databases,
+            api_keys: Arc::default(),
+            fixed: Counters::default(),
+            logs,
+            storm_keys: Vec::new(),
+            storm_violations: Vec::new(),
+        };
+        let prepared = prepare(&args, &mut subject).await;
+        subjects.push(subject);
+        if let Err(e) = prepared {
+            result = Err(e);
+            break;
+        }
+    }
+    let report = match result {
+        Ok(()) => measure_all(&args, &mut subjects, &scenarios, &concurrency, &run).await,
+        Err(e) => Err(e),
+    };
+    for subject in subjects {
+        let databases = subject.databases;
+        if args.keep_databases || report.is_err() {
+            eprintln!(
+                "bench: databases {} and {} kept",
+                databases.service, databases.gateway
+            );
+        } else {
+            databases.drop_all().await;
+        }
+    }
+    let report = report?;
+    report.write_json(&dir.join("report.json"))?;
+    eprintln!("bench: report in {}", dir.join("report.json").display());
+    Ok(report)
+}
+
+/// Migrates, creates the users, books the key the replays replay, and measures the fixed cost of
+/// a life of the stack.
+async fn prepare(args: &BenchArgs, subject: &mut Subject) -> anyhow::Result<()> {
+    let keys = stack::prepare(
+        &subject.programs,
+        &subject.databases,
+        u32::from(args.users),
+        &subject.logs,
+    )
+    .await?;
+    subject.api_keys = Arc::new(keys);
+    let stack = Stack::start(&subject.programs, &subject.databases, &subject.logs).await?;
+    let booked = load::book_replayed_key(&Target {
+        base: stack.base.clone(),
+        api_keys: subject.api_keys.clone(),
+        tag: String::new(),
+    })
+    .await;
+    stack.stop().await?;
+    booked?;
+    let before = probe::counters_at_rest(&mut subject.databases).await?;
+    Stack::start(&subject.programs, &subject.databases, &subject.logs)
+        .await?
+        .stop()
+        .await?;
+    subject.fixed = probe::counters_at_rest(&mut subject.databases)
+        .await?
+        .since(before);
+    Ok(())
+}
+
+async fn measure_all(
+    args: &BenchArgs,
+    subjects: &mut [Subject],
+    scenarios: &[Scenario],
+    concurrency: &[usize],
+    run: &str,
+) -> anyhow::Result<Report> {
+    let postmaster = probe::postmaster(subjects[0].databases.admin()).await;
+    if postmaster.is_none() {
+        eprintln!("bench: PostgreSQL's processes are not visible here; its CPU is not measured");
+    }
+    let mut measurements = Vec::new();
+    for &scenario in scenarios {
+        let counts = if scenario == Scenario::Storm {
+            vec![STORM_SIZE]
+        } else {
+            concurrency.to_vec()
+        };
+        for c in counts {
+            for round in 0..args.rounds {
+                // Alternately, so that a drift of the machine touches every build alike.
+                for subject in subjects.iter_mut() {
+                    if scenario == Scenario::Baseline && !subject.programs.has_baseline {
+                        continue;
+                    }
+                    eprintln!(
+                        "bench: {} at c{c}, {} build, round {}",
+                        scenario.name(),
+                        subject.name,
+                        round + 1
+                    );
+                    let tag = format!("{run}-{}-c{c}-r{round}", scenario.name());
+                    let mut m = measure_one(args, subject, scenario, c, &tag, postmaster).await?;
+                    m.round = round + 1;
+                    measurements.push(m);
+                }
+            }
+        }
+    }
+
+    let mut checks = Vec::new();
+    for subject in subjects.iter() {
+        if scenarios.contains(&Scenario::Storm) {
+            checks.push(storm_check(subject).await?);
+        }
+        checks.push(charge_check(subject).await?);
+    }
+    let mut report = Report {
+        run: run.to_owned(),
+        service_version: subjects[0].programs.service_version.clone(),
+        compared_version: subjects.get(1).map(|s| s.programs.service_version.clone()),
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        duration_s: args.duration.as_secs_f64(),
+        warmup_s: args.warmup.as_secs_f64(),
+        rounds: usize::from(args.rounds),
+        users: subjects[0].api_keys.len(),
+        create: None,
+        replay: None,
+        storm: None,
+        baseline: None,
+        ratios: Vec::new(),
+        comparison: Vec::new(),
+        measurements,
+        checks,
+        passed: false,
+    };
+    report.summarize();
+    Ok(report)
+}
+
+/// One life of the stack: start, load, stop, and the counters around it.
+async fn measure_one(
+    args: &BenchArgs,
+    subject: &mut Subject,
+    scenario: Scenario,
+    c: usize,
+    tag: &str,
+    postmaster: Option<u32>,
+) -> anyhow::Result<Measurement> {
+    let before = probe::counters_at_rest(&mut subject.databases).await?;
+    let stack = Stack::start(&subject.programs, &subject.databases, &subject.logs).await?;
+    let pids = (stack.service.pid(), stack.gateway.pid());
+    let target = Target {
+        base: stack.base.clone(),
+        api_keys: subject.api_keys.clone(),
+        tag: tag.to_owned(),
+    };
+    let cpu_before = probe::cpu(pids.0, pids.1, postmaster);
+    let outcome = load::run(scenario, c, args.warmup, args.duration, &target).await;
+    let cpu = probe::cpu(pids.0, pids.1, postmaster).since(cpu_before);
+    stack.stop().await?;
+    let outcome = outcome?;
+    let counters = probe::counters_at_rest(&mut subject.databases)
+        .await?
+        .since(before)
+        .less(subject.fixed);
+    subject
+        .storm_keys
+        .extend(outcome.storm_keys.iter().cloned());
+    subject
+        .storm_violations
+        .extend(outcome.storm_violations.iter().cloned());
+    Ok(measurement(
+        subject.name,
+        scenario,
+        c,
+        &outcome,
+        counters,
+        cpu,
+    ))
+}
+
+fn measurement(
+    subject: &'static str,
+    scenario: Scenario,
+    concurrency: usize,
+    outcome: &Outcome,
+    counters: Counters,
+    cpu: Cpu,
+) -> Measurement {
+    let sent = outcome.sent.max(1) as f64;
+    let per = |n: i64| n as f64 / sent;
+    let ms = |micros: u64| micros as f64 / 1000.0;
+    let latency = &outcome.latency;
+    Measurement {
+        build: subject,
+        round: 1,
+        scenario: scenario.name(),
+        concurrency,
+        requests: outcome.measured,
+        requests_per_s: outcome.measured as f64 / outcome.measured_for.as_secs_f64().max(1e-9),
+        latency_ms: Latency {
+            p50: ms(latency.value_at_quantile(0.50)),
+            p90: ms(latency.value_at_quantile(0.90)),
+            p99: ms(latency.value_at_quantile(0.99)),
+            max: ms(latency.max()),
+        },
+        answers: outcome.answers.clone(),
+        requests_sent: outcome.sent,
+        transactions_per_request: per(counters.service.transactions),
+        rows_written_per_request: per(counters.service.rows_written),
+        wal_bytes_per_request: per(counters.wal_bytes),
+        gateway_transactions_per_request: per(counters.gateway.transactions),
+        key_updates: counters.key_updates,
+        key_hot_share: (counters.key_updates > 0)
+            .then(|| counters.key_hot_updates as f64 / counters.key_updates as f64),
+        cpu_ms_per_request: CpuPerRequest {
+            service: cpu.service * 1000.0 / sent,
+            gateway: cpu.gateway * 1000.0 / sent,
+            clients: cpu.clients * 1000.0 / sent,
+            postgres: cpu.postgres.map(|s| s * 1000.0 / sent),
+        },
+    }
+}
+
+/// Every storm key booked exactly one ride, and every round had exactly one request do the work
+/// with every replay equal to its answer.
+async fn storm_check(subject: &Subject) -> anyhow::Result<Check> {
+    let keys = &subject.storm_keys;
+    let mut conn = subject.databases.connect_service().await?;
+    let (key_rows, rides): (i64, i64) = sqlx::query_as(
+        "SELECT count(DISTINCT k.id), count(r.id)
+         FROM idempotency_keys k
+         LEFT JOIN rides r ON r.user_id = k.user_id AND r.idempotency_key_id = k.id
+         WHERE k.idempotency_key = ANY($1)",
+    )
+    .bind(keys)
+    .fetch_one(&mut conn)
+    .await?;
+    let expected = keys.len() as i64;
+    let mut problems = subject.storm_violations.clone();
+    if key_rows != expected || rides != expected {
+        problems.push(format!(
+            "{expected} keys sent, {key_rows} stored, {rides} rides booked"
+        ));
+    }
+    Ok(Check {
+        name: "storm_executed_once",
+        build: subject.name,
+        passed: problems.is_empty(),
+        detail: if problems.is_empty() {
+            format!("{expected} keys × {STORM_SIZE} requests at once: one ride each")
+        } else {
+            problems.join("; ")
+        },
+    })
+}
+
+/// As many gateway charges as paid rides, over the whole run.
+async fn charge_check(subject: &Subject) -> anyhow::Result<Check> {
+    let databases = &subject.databases;
+    let paid: i64 = sqlx::query_scalar("SELECT count(*) FROM rides WHERE status = 'paid'")
+        .fetch_one(&mut databases.connect_service().await?)
+        .await?;
+    let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM fakestripe.charges")
+        .fetch_one(&mut databases.connect_gateway().await?)
+        .await?;
+    Ok(Check {
+        name: "one_charge_per_paid_ride",
+        build: subject.name,
+        passed: paid == charges,
+        detail: format!("{paid} paid rides, {charges} gateway charges"),
+    })
+}
