@@ -37,18 +37,25 @@ pub async fn connect(database_url: &str) -> Result<PgPool, Error> {
 /// [`connect`] from parsed options (tests get them from `#[sqlx::test]`).
 pub async fn connect_with(options: PgConnectOptions) -> Result<PgPool, Error> {
     create_schema(&options).await?;
-    // search_path and lock_timeout are set at connection start-up, so every statement of every
-    // pooled connection (the idempotency crate's included) resolves unqualified names in our
-    // schema and gives up on a held lock after LOCK_TIMEOUT.
-    let pool = PgPoolOptions::new()
-        .max_connections(MAX_CONNECTIONS)
-        .connect_with(options.options([("search_path", SCHEMA), ("lock_timeout", LOCK_TIMEOUT)]))
+    // search_path is set at connection start-up, so every statement of every pooled connection
+    // (the idempotency crate's included) resolves unqualified names in our schema.
+    let in_schema = options.options([("search_path", SCHEMA)]);
+    let context = || format!("connect to the database with schema {SCHEMA}");
+    // Migrations wait for sqlx's advisory lock as long as another migrator holds it (a service
+    // migrating the same database as it starts), so they run without the lock timeout.
+    let migrations = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(in_schema.clone())
         .await
-        .map_err(Error::db(format!(
-            "connect to the database with schema {SCHEMA}"
-        )))?;
-    migrate(&pool).await?;
-    Ok(pool)
+        .map_err(Error::db(context()))?;
+    migrate(&migrations).await?;
+    migrations.close().await;
+    // The requests' connections give up on a held lock after LOCK_TIMEOUT.
+    PgPoolOptions::new()
+        .max_connections(MAX_CONNECTIONS)
+        .connect_with(in_schema.options([("lock_timeout", LOCK_TIMEOUT)]))
+        .await
+        .map_err(Error::db(context()))
 }
 
 /// `CREATE SCHEMA IF NOT EXISTS` on a connection of its own, before any pooled connection

@@ -3,7 +3,8 @@
 /// Everything the store can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The fenced update matched no row: another worker took the lease over (or the key is gone).
+    /// The fence (a phase's fenced update, the final phase's fenced lock, a renewal or a release)
+    /// matched no row: another worker took the lease over (or the key is gone or finished).
     /// Everything the phase wrote has been rolled back; the holder must stop.
     #[error("lease lost on idempotency key {key_id}: token {token} is no longer current")]
     LeaseLost {

@@ -786,6 +786,57 @@ async fn a_key_being_inserted_is_in_flight_once_the_lock_timeout_runs_out(pool: 
 }
 
 #[sqlx::test(migrations = false)]
+async fn a_finished_key_whose_row_is_being_written_still_replays_after_the_lock_timeout(
+    pool: PgPool,
+) {
+    let (store, _) = setup(&pool).await;
+    let options = pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .options([("lock_timeout", "100ms")]);
+    let impatient_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let impatient = Store::new(impatient_pool, Arc::new(idempotency::DatabaseClock), TTL).unwrap();
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let first = new_phase(
+        store
+            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .await
+            .unwrap(),
+    );
+    first.finish(&response("done")).await.unwrap();
+    // Another transaction writes the finished row (as the reaper's delete would) and holds it.
+    let mut writer = pool.begin().await.unwrap();
+    sqlx::query("UPDATE idempotency_keys SET attempts = attempts")
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    match existing(
+        impatient
+            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .await
+            .unwrap(),
+    ) {
+        Claim::Replay(stored) => assert_eq!(stored, response("done")),
+        other => panic!("expected Replay, got {other:?}"),
+    }
+    assert!(matches!(
+        existing(
+            impatient
+                .begin_optimistic(request(1, &k, &json!({"a": 2})), Point::Started)
+                .await
+                .unwrap()
+        ),
+        Claim::Mismatch
+    ));
+    writer.rollback().await.unwrap();
+}
+
+#[sqlx::test(migrations = false)]
 async fn begin_refuses_finished_as_the_first_point(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));

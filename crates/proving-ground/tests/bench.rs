@@ -48,9 +48,10 @@ fn a_booking_takes_four_transactions_a_replay_two_reads_and_key_updates_are_hot(
     );
     // Counted by PostgreSQL on the service's own database over every request of the run: the
     // API key, the read of the key, the claim with the ride, the final phase.
+    // (A little above 4 where autovacuum or autoanalyze run in the database meanwhile.)
     let per_create = create["transactions_per_request"].as_f64().unwrap();
     assert!(
-        (3.95..=4.05).contains(&per_create),
+        (3.95..=4.2).contains(&per_create),
         "{per_create} transactions per booking"
     );
     assert_eq!(
@@ -66,10 +67,13 @@ fn a_booking_takes_four_transactions_a_replay_two_reads_and_key_updates_are_hot(
     let replay = &report["replay"];
     let per_replay = replay["transactions_per_request"].as_f64().unwrap();
     assert!(
-        (1.95..=2.05).contains(&per_replay),
+        (1.95..=2.1).contains(&per_replay),
         "{per_replay} transactions per replay"
     );
-    assert_eq!(replay["rows_written_per_request"].as_f64().unwrap(), 0.0);
+    // The database's own count includes catalog writes of an autoanalyze, if one ran; the key
+    // table's count is the replays' alone.
+    let rows = replay["rows_written_per_request"].as_f64().unwrap();
+    assert!(rows < 0.01, "{rows} rows written per replay");
     assert_eq!(
         replay["key_updates"].as_i64().unwrap(),
         0,

@@ -10,7 +10,7 @@
 //! | `http_connections_refused_total` | counter | connections answered 503 and closed: too many open |
 //! | `idempotency_claims_total` | counter | `outcome`: acquired, replayed, mismatch, in_flight |
 //! | `idempotency_claim_duration_seconds` | histogram | |
-//! | `booking_phase_duration_seconds` | histogram | `phase`: the recovery point a phase commits (ride_created, charge_generation, charge_pending, charge_created, finished) |
+//! | `booking_phase_duration_seconds` | histogram | `phase`: the recovery point a phase commits (ride_created, charge_generation, charge_pending, finished) |
 //! | `gateway_call_duration_seconds` | histogram | `call`: create_charge, list_charges, retrieve_charge |
 //! | `gateway_charges_total` | counter | `outcome`: charged, declined, unavailable, refused, misconfigured, pending, stored_error |
 //! | `gateway_reconciliations_total` | counter | `outcome`: adopted, none_found |
@@ -262,7 +262,8 @@ impl Default for Metrics {
         let claim_duration = seconds_histogram();
         registry.register_with_unit(
             "idempotency_claim_duration",
-            "Time of one claim (the statement and, when refused, the read that tells why)",
+            "Time of one claim: the read of the key and, for a new or abandoned key, the write that \
+             claims it (a new key's insert opens the transaction of its first phase)",
             Unit::Seconds,
             claim_duration.clone(),
         );
@@ -270,7 +271,7 @@ impl Default for Metrics {
             Family::new_with_constructor(seconds_histogram);
         registry.register_with_unit(
             "booking_phase_duration",
-            "Time of one atomic phase of a booking, from its fenced update to its commit, by the \
+            "Time of one atomic phase of a booking, from its first statement to its commit, by the \
              recovery point it commits",
             Unit::Seconds,
             phase_duration.clone(),

@@ -319,6 +319,9 @@ async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: Pg
     app.state.failpoints.arm(failpoints::AFTER_RIDE_CREATED);
     let b = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(b.status, 500);
+    // B resumed A's key from `started` (as an earlier version's claim left it) and created the
+    // ride in a phase of its own.
+    assert_eq!(app.recovery_point(user_id).await, "ride_created");
     // A wakes up and runs its phases: the first fenced update refuses it, before any write.
     let err = booking::run(&app.state, &mut stale, None)
         .await

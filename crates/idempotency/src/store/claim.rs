@@ -61,11 +61,11 @@ impl Store {
         for _ in 0..CLAIM_ROUNDS {
             match self.lookup(&req, &self.pool).await? {
                 Found::Refused(refusal) => return Ok(refusal),
-                Found::Claimable => {
-                    if let Some(lease) = self.take_over(&req, &self.pool).await? {
-                        return Ok(Claim::Acquired(lease));
-                    }
-                }
+                Found::Claimable => match self.take_over(&req, &self.pool).await? {
+                    Taken::Lease(lease) => return Ok(Claim::Acquired(lease)),
+                    Taken::Locked => return Ok(in_flight_uncommitted()),
+                    Taken::NotClaimable => {}
+                },
                 Found::Absent => {
                     let mut conn = self
                         .pool
@@ -100,11 +100,11 @@ impl Store {
         for _ in 0..CLAIM_ROUNDS {
             match self.lookup(&req, &self.pool).await? {
                 Found::Refused(refusal) => return Ok(Begun::Existing(refusal)),
-                Found::Claimable => {
-                    if let Some(lease) = self.take_over(&req, &self.pool).await? {
-                        return Ok(Begun::Existing(Claim::Acquired(lease)));
-                    }
-                }
+                Found::Claimable => match self.take_over(&req, &self.pool).await? {
+                    Taken::Lease(lease) => return Ok(Begun::Existing(Claim::Acquired(lease))),
+                    Taken::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
+                    Taken::NotClaimable => {}
+                },
                 Found::Absent => {
                     let mut tx = self.begin_tx(&req).await?;
                     match self.insert(&req, first, true, &mut tx).await? {
@@ -124,8 +124,8 @@ impl Store {
     /// The claim merged with the request's first phase, for a request that rarely repeats: one
     /// transaction, whose first statement inserts the key at `first`. When the key exists, the
     /// same transaction reads it and takes it over or tells why not, so a new request and a
-    /// retry each cost one transaction; a replay costs one too, but it inserts nothing and
-    /// locks nothing.
+    /// retry each cost one transaction; a replay costs one too, which inserts no row and locks
+    /// nothing (the insert's attempt does draw a value of the key table's id sequence).
     ///
     /// A concurrent request with the same key waits for this transaction to end; set a
     /// `lock_timeout` on the connections to bound that wait: when it runs out, the claim
@@ -142,12 +142,22 @@ impl Store {
                 Inserted::Row(lease) => {
                     return Ok(Begun::New(FirstPhase::new(self, tx, lease, false)))
                 }
-                Inserted::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
+                Inserted::Locked => {
+                    drop(tx);
+                    return self.locked_out(&req).await.map(Begun::Existing);
+                }
                 Inserted::Conflict => {}
             }
             let claim = match self.lookup(&req, &mut *tx).await? {
                 Found::Refused(refusal) => Some(refusal),
-                Found::Claimable => self.take_over(&req, &mut *tx).await?.map(Claim::Acquired),
+                Found::Claimable => match self.take_over(&req, &mut *tx).await? {
+                    Taken::Lease(lease) => Some(Claim::Acquired(lease)),
+                    Taken::Locked => {
+                        drop(tx);
+                        return self.locked_out(&req).await.map(Begun::Existing);
+                    }
+                    Taken::NotClaimable => None,
+                },
                 Found::Absent => None,
             };
             match claim {
@@ -161,6 +171,16 @@ impl Store {
             }
         }
         Ok(Begun::Existing(in_flight_uncommitted()))
+    }
+
+    /// The answer when the lock timeout ran out on the key's row: another transaction is
+    /// inserting it (in flight), or is updating or deleting a row that may well be finished
+    /// (a finish, the reaper). One plain read tells a replay or a mismatch from a key in flight.
+    async fn locked_out<P: RecoveryPoint>(&self, req: &NewRequest<'_>) -> Result<Claim<P>, Error> {
+        Ok(match self.lookup(req, &self.pool).await? {
+            Found::Refused(refusal @ (Claim::Replay(_) | Claim::Mismatch)) => refusal,
+            _ => in_flight_uncommitted(),
+        })
     }
 
     async fn begin_tx(
@@ -216,7 +236,7 @@ impl Store {
         &self,
         req: &NewRequest<'_>,
         db: impl sqlx::PgExecutor<'c>,
-    ) -> Result<Option<Lease<P>>, Error> {
+    ) -> Result<Taken<P>, Error> {
         let row = sqlx::query(
             r#"
             UPDATE idempotency_keys
@@ -241,9 +261,13 @@ impl Store {
         .bind(self.now())
         .bind(self.ttl_millis())
         .fetch_optional(db)
-        .await
-        .map_err(Error::db(claim_context(req)))?;
-        row.map(|row| lease_from_row(&row, req.user_id)).transpose()
+        .await;
+        match row {
+            Ok(Some(row)) => lease_from_row(&row, req.user_id).map(Taken::Lease),
+            Ok(None) => Ok(Taken::NotClaimable),
+            Err(e) if is_lock_timeout(&e) => Ok(Taken::Locked),
+            Err(e) => Err(Error::db(claim_context(req))(e)),
+        }
     }
 
     /// Inserts the key at `point` with token 1, unless it exists. `track` also inserts its row
@@ -291,9 +315,7 @@ impl Store {
         .await;
         let row = match row {
             Ok(row) => row,
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-                return Ok(Inserted::Locked)
-            }
+            Err(e) if is_lock_timeout(&e) => return Ok(Inserted::Locked),
             Err(e) => return Err(Error::db(claim_context(req))(e)),
         };
         let Some(row) = row else {
@@ -313,13 +335,26 @@ impl Store {
     }
 }
 
+/// What a takeover did.
+enum Taken<P> {
+    Lease(Lease<P>),
+    /// The row no longer qualifies: another claimer was first, or it finished.
+    NotClaimable,
+    /// Another transaction holds the row, and the connection's `lock_timeout` ran out.
+    Locked,
+}
+
+fn is_lock_timeout(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(e) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE))
+}
+
 /// What an insert did.
 enum Inserted<P> {
     Row(Lease<P>),
     /// The key exists.
     Conflict,
-    /// The key is being inserted by a transaction that has not ended, and the connection's
-    /// `lock_timeout` ran out waiting for it.
+    /// Another transaction holds the key (inserting it, or updating or deleting its row) and
+    /// the connection's `lock_timeout` ran out waiting for it.
     Locked,
 }
 

@@ -44,7 +44,8 @@ impl Store {
         let candidates: Vec<(i64, i64)> = sqlx::query_as(
             r#"
             -- all users: a read of candidates, without locks; each is claimed below by user.
-            -- The unfinished keys of the route, oldest first, from their own small table.
+            -- The unfinished keys of the route, from their own small table, least recently
+            -- attempted first, so that keys that keep failing take turns with the others.
             SELECT k.user_id, k.id
             FROM idempotency_keys_unfinished u
             JOIN idempotency_keys k ON k.user_id = u.user_id AND k.id = u.key_id
@@ -57,7 +58,7 @@ impl Store {
                    OR k.last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
               AND (k.next_attempt_at IS NULL
                    OR k.next_attempt_at <= coalesce($1::timestamptz, now()))
-            ORDER BY u.created_at
+            ORDER BY k.last_run_at
             LIMIT $3
             "#,
         )

@@ -422,19 +422,32 @@ async fn storm_check(subject: &Subject) -> anyhow::Result<Check> {
     })
 }
 
-/// As many gateway charges as paid rides, over the whole run.
+/// Every paid ride's charge is a gateway charge of its own, and every gateway charge is the
+/// charge of one paid ride, over the whole run.
 async fn charge_check(subject: &Subject) -> anyhow::Result<Check> {
     let databases = &subject.databases;
-    let paid: i64 = sqlx::query_scalar("SELECT count(*) FROM rides WHERE status = 'paid'")
-        .fetch_one(&mut databases.connect_service().await?)
+    let recorded: Vec<String> =
+        sqlx::query_scalar("SELECT charge_id FROM rides WHERE status = 'paid'")
+            .fetch_all(&mut databases.connect_service().await?)
+            .await?;
+    let made: Vec<String> = sqlx::query_scalar("SELECT id FROM fakestripe.charges")
+        .fetch_all(&mut databases.connect_gateway().await?)
         .await?;
-    let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM fakestripe.charges")
-        .fetch_one(&mut databases.connect_gateway().await?)
-        .await?;
+    let recorded_set: std::collections::HashSet<&str> =
+        recorded.iter().map(String::as_str).collect();
+    let made_set: std::collections::HashSet<&str> = made.iter().map(String::as_str).collect();
+    let shared = recorded.len() - recorded_set.len();
+    let unknown = recorded_set.difference(&made_set).count();
+    let orphaned = made_set.difference(&recorded_set).count();
     Ok(Check {
         name: "one_charge_per_paid_ride",
         build: subject.name,
-        passed: paid == charges,
-        detail: format!("{paid} paid rides, {charges} gateway charges"),
+        passed: shared == 0 && unknown == 0 && orphaned == 0,
+        detail: format!(
+            "{} paid rides, {} gateway charges; {shared} charges on two rides, {unknown} \
+             recorded charges the gateway never made, {orphaned} charges of no ride",
+            recorded.len(),
+            made.len()
+        ),
     })
 }

@@ -367,7 +367,6 @@ impl TestApp {
             .map_or(0.0, |v| v.parse().unwrap())
     }
 
-    /// The recovery point of the only key of this user.
     /// Leaves the key `key`, whose request died after the gateway charged, as earlier versions
     /// left a request that died after recording its charge: the charge on the ride, paid, the
     /// key at `charge_created` with no response stored.
@@ -395,6 +394,7 @@ impl TestApp {
         );
     }
 
+    /// The recovery point of the only key of this user.
     pub async fn recovery_point(&self, user_id: i64) -> String {
         sqlx::query_scalar("SELECT recovery_point FROM idempotency_keys WHERE user_id = $1")
             .bind(user_id)
