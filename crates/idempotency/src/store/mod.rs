@@ -29,7 +29,7 @@
 //! - **The final phase** fences with `SELECT … FOR UPDATE` and writes the key row once, when it
 //!   stores the response.
 //! - **Updates are HOT.** No index covers a column that an update sets, and rows are inserted
-//!   into pages a third full, so a key's finished version lands on its own page with no new
+//!   into pages 80% full, so a key's finished version lands on its own page with no new
 //!   index entries, vacuum or not. The unfinished keys are listed in a table of their own
 //!   (`idempotency_keys_unfinished`, written by the same statements that insert and finish a
 //!   key): the completer scans it, and the reaper scans keys by `created_at`.
