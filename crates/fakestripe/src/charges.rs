@@ -69,7 +69,7 @@ pub(crate) async fn create(
         };
         state.pass_gate().await;
         if !plan.delay.is_zero() {
-            state.record_fault(FaultKind::Latency);
+            state.record_fault(plan.held.unwrap_or(FaultKind::Latency));
             tokio::time::sleep(plan.delay).await;
         }
         let op = Operation::CreateCharge {

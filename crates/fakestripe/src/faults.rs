@@ -78,6 +78,17 @@ pub struct Faults {
     /// Commit the charge but store (and answer) a 500 `api_error` in place of it: a retry with
     /// the key gets the 500 again, and only listing the customer's charges finds the charge.
     pub sticky_500_after_charge: f64,
+    /// Hold a charge for `slow_ms` more, inside its transaction (its key in use meanwhile): a
+    /// gateway slower than its caller's heartbeat but within its timeout.
+    pub slow_charges: f64,
+    /// The extra time of a slow charge, in milliseconds.
+    pub slow_ms: u64,
+    /// Hold a charge for `stalled_ms` more, then charge: a gateway slower than its caller's
+    /// timeout, which charges after the caller gave up (and answers 409 to its retries
+    /// meanwhile, the key being in use).
+    pub stalled_charges: f64,
+    /// The extra time of a stalled charge, in milliseconds.
+    pub stalled_ms: u64,
     /// Create the charge with status `pending` (not paid). It stays pending until it is settled
     /// ([`crate::AppState::settle_pending_charges`], `POST /charges/settle` on the admin API).
     pub pending_charges: f64,
@@ -97,8 +108,11 @@ pub enum InvalidFaults {
         /// The value given.
         value: f64,
     },
-    /// `latency_ms + jitter_ms` above [`MAX_LATENCY_MS`].
-    #[error("latency_ms + jitter_ms must be at most {MAX_LATENCY_MS}, got {0}")]
+    /// `latency_ms + jitter_ms` plus the longer of `slow_ms` and `stalled_ms` above
+    /// [`MAX_LATENCY_MS`].
+    #[error(
+        "latency_ms + jitter_ms + max(slow_ms, stalled_ms) must be at most {MAX_LATENCY_MS}, got {0}"
+    )]
     Latency(u64),
 }
 
@@ -118,13 +132,19 @@ impl Faults {
             ("sticky_500_before_charge", self.sticky_500_before_charge),
             ("sticky_500_after_charge", self.sticky_500_after_charge),
             ("pending_charges", self.pending_charges),
+            ("slow_charges", self.slow_charges),
+            ("stalled_charges", self.stalled_charges),
         ] {
             // `contains` is false for NaN, which is refused with the rest.
             if !(0.0..=1.0).contains(&value) {
                 return Err(InvalidFaults::Probability { name, value });
             }
         }
-        let latency = self.latency_ms.saturating_add(self.jitter_ms);
+        // The longest a charge can be held: its latency and the longer of the two holds.
+        let latency = self
+            .latency_ms
+            .saturating_add(self.jitter_ms)
+            .saturating_add(self.slow_ms.max(self.stalled_ms));
         if latency > MAX_LATENCY_MS {
             return Err(InvalidFaults::Latency(latency));
         }
@@ -151,6 +171,10 @@ pub struct FaultCounters {
     pub sticky_500_after_charge: u64,
     /// Charges created `pending`.
     pub pending_charges: u64,
+    /// Charges held `slow_ms` more.
+    pub slow_charges: u64,
+    /// Charges held `stalled_ms` more.
+    pub stalled_charges: u64,
     /// Charges refused because their customer was deleted (a permanent refusal).
     pub refused: u64,
     /// Idempotency keys the gateway forgot (their window passed, or it was told to).
@@ -168,6 +192,8 @@ pub(crate) enum FaultKind {
     Sticky500BeforeCharge,
     Sticky500AfterCharge,
     PendingCharge,
+    SlowCharge,
+    StalledCharge,
     Refused,
 }
 
@@ -198,7 +224,10 @@ pub(crate) enum AfterCharge {
 pub(crate) struct Plan {
     pub(crate) conflict_in_flight: bool,
     pub(crate) fail_before_charge: bool,
+    /// The latency, and the hold of a slow or stalled charge.
     pub(crate) delay: Duration,
+    /// The charge is held as slow or stalled (part of `delay`).
+    pub(crate) held: Option<FaultKind>,
     pub(crate) stored: Stored,
     pub(crate) pending: bool,
     pub(crate) after_charge: AfterCharge,
@@ -251,6 +280,15 @@ impl FaultState {
         let sticky_before = rng.random::<f64>() < f.sticky_500_before_charge;
         let sticky_after = rng.random::<f64>() < f.sticky_500_after_charge;
         let pending = rng.random::<f64>() < f.pending_charges;
+        let slow = rng.random::<f64>() < f.slow_charges;
+        let stalled = rng.random::<f64>() < f.stalled_charges;
+        let (held, hold_ms) = if stalled {
+            (Some(FaultKind::StalledCharge), f.stalled_ms)
+        } else if slow {
+            (Some(FaultKind::SlowCharge), f.slow_ms)
+        } else {
+            (None, 0)
+        };
         let stored = if sticky_before {
             Stored::ServerErrorInstead
         } else if sticky_after {
@@ -268,7 +306,8 @@ impl FaultState {
         Plan {
             conflict_in_flight,
             fail_before_charge,
-            delay: Duration::from_millis(f.latency_ms + jitter),
+            delay: Duration::from_millis(f.latency_ms + jitter + hold_ms),
+            held,
             stored,
             pending,
             after_charge,
@@ -292,6 +331,8 @@ impl FaultState {
             FaultKind::Sticky500BeforeCharge => &mut c.sticky_500_before_charge,
             FaultKind::Sticky500AfterCharge => &mut c.sticky_500_after_charge,
             FaultKind::PendingCharge => &mut c.pending_charges,
+            FaultKind::SlowCharge => &mut c.slow_charges,
+            FaultKind::StalledCharge => &mut c.stalled_charges,
             FaultKind::Refused => &mut c.refused,
         };
         *counter += 1;
@@ -388,6 +429,48 @@ mod tests {
             assert_eq!(plan.after_charge, AfterCharge::Fail);
             assert_eq!(plan.delay, Duration::from_millis(5));
         }
+    }
+
+    #[test]
+    fn slow_and_stalled_charges_are_held_their_own_time_and_told_apart() {
+        let mut stalled = FaultState::new(Faults {
+            latency_ms: 5,
+            slow_charges: 1.0,
+            slow_ms: 100,
+            stalled_charges: 1.0,
+            stalled_ms: 300,
+            ..Faults::none()
+        });
+        // Both drawn: the stall wins, and its time is added to the latency.
+        let plan = stalled.plan();
+        assert_eq!(plan.held, Some(FaultKind::StalledCharge));
+        assert_eq!(plan.delay, Duration::from_millis(305));
+        let mut slow = FaultState::new(Faults {
+            slow_charges: 1.0,
+            slow_ms: 100,
+            stalled_ms: 300,
+            ..Faults::none()
+        });
+        let plan = slow.plan();
+        assert_eq!(plan.held, Some(FaultKind::SlowCharge));
+        assert_eq!(plan.delay, Duration::from_millis(100));
+        slow.record(FaultKind::SlowCharge);
+        assert_eq!(
+            (
+                slow.counters().slow_charges,
+                slow.counters().stalled_charges
+            ),
+            (1, 0)
+        );
+        let too_long = Faults {
+            latency_ms: MAX_LATENCY_MS - 10,
+            stalled_ms: 11,
+            ..Faults::none()
+        };
+        assert_eq!(
+            too_long.validate(),
+            Err(InvalidFaults::Latency(MAX_LATENCY_MS + 1))
+        );
     }
 
     #[test]

@@ -105,6 +105,22 @@ struct FaultArgs {
     #[arg(long, env = "FAKESTRIPE_PENDING_CHARGES", default_value_t = 0.0)]
     pending_charges: f64,
 
+    /// Probability of a charge held `--slow-ms` more while its key is in use.
+    #[arg(long, env = "FAKESTRIPE_SLOW_CHARGES", default_value_t = 0.0)]
+    slow_charges: f64,
+
+    /// The extra milliseconds of a slow charge.
+    #[arg(long, env = "FAKESTRIPE_SLOW_MS", default_value_t = 0)]
+    slow_ms: u64,
+
+    /// Probability of a charge held `--stalled-ms` more (past its caller's timeout), then made.
+    #[arg(long, env = "FAKESTRIPE_STALLED_CHARGES", default_value_t = 0.0)]
+    stalled_charges: f64,
+
+    /// The extra milliseconds of a stalled charge.
+    #[arg(long, env = "FAKESTRIPE_STALLED_MS", default_value_t = 0)]
+    stalled_ms: u64,
+
     /// Seed of the fault generator, for reproducible runs.
     #[arg(long, env = "FAKESTRIPE_SEED")]
     seed: Option<u64>,
@@ -122,6 +138,10 @@ impl From<FaultArgs> for Faults {
             sticky_500_before_charge: a.sticky_500_before_charge,
             sticky_500_after_charge: a.sticky_500_after_charge,
             pending_charges: a.pending_charges,
+            slow_charges: a.slow_charges,
+            slow_ms: a.slow_ms,
+            stalled_charges: a.stalled_charges,
+            stalled_ms: a.stalled_ms,
             seed: a.seed,
         }
     }
