@@ -3,6 +3,7 @@
 #
 #   DATABASE_URL=$(scripts/postgres.sh)     # stdout: the URL only, one line
 #   . scripts/postgres.sh                   # sourced: exports DATABASE_URL
+#   scripts/postgres.sh --server-binaries   # and install initdb/pg_ctl even when a server answers
 #
 # Order of preference:
 #   1. $DATABASE_URL, if set and it answers `select 1`          -> printed unchanged
@@ -120,6 +121,13 @@ new_enough() {
     v=$(PGCONNECT_TIMEOUT=5 "$PSQL" -w -Atc 'show server_version_num' "$@" </dev/null 2>/dev/null) || return 1
     [[ $v =~ ^[0-9]+$ ]] && ((v >= MIN_VERSION_NUM))
 }
+
+# --server-binaries: the caller also runs servers of its own (the chaos harness makes, crashes
+# and replicates clusters), so the server binaries must be installed whichever server is used.
+if [[ ${1:-} == --server-binaries ]] && [[ -z $(newest_bindir) ]]; then
+    apt_install postgresql postgresql-client
+    [[ -n $(newest_bindir) ]] || die "installed postgresql but found no initdb/pg_ctl under /usr/lib/postgresql/*/bin"
+fi
 
 # ------------------------------------------------- 1. existing DATABASE_URL
 

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DATABASE_URL=$(scripts/postgres.sh)
+# The chaos harness's tests make PostgreSQL clusters of their own: the server binaries too.
+DATABASE_URL=$(scripts/postgres.sh --server-binaries)
 export DATABASE_URL
 echo "test.sh: using $DATABASE_URL" >&2
 

@@ -211,7 +211,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             shutdown,
         } => {
             crate::config::validate_http(&http, &gateway).map_err(anyhow::Error::msg)?;
-            let pool = connect(&db, max_connections).await?;
+            let pool = connect_serving(&db, max_connections).await?;
             let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
             state.http = http.clone();
             let listener = tokio::net::TcpListener::bind(listen)
@@ -276,7 +276,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             crate::config::validate_worker(&worker, &lease).map_err(anyhow::Error::msg)?;
             let connections = worker.completer_concurrency + 2;
-            let pool = connect(&db, connections).await?;
+            let pool = connect_serving(&db, connections).await?;
             let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
             if once {
                 crate::worker::run_once(&state, &worker).await?;
@@ -353,6 +353,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+async fn connect_serving(db: &DatabaseArgs, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
+    crate::db::connect_serving(&db.database_url, max_connections)
+        .await
+        .context("read DATABASE_URL")
 }
 
 async fn connect(db: &DatabaseArgs, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {

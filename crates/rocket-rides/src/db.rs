@@ -17,6 +17,29 @@ pub async fn connect(database_url: &str, max_connections: u32) -> Result<PgPool,
         .await
 }
 
+/// A pool for a long-running process (`serve`, `worker`): it starts even when the database is
+/// down, and connects as it is used. A process that exited whenever PostgreSQL restarts would
+/// fail together with it, again and again; this one keeps serving (`/readyz` answers 503, requests
+/// that need the database fail) and recovers by itself. The URL is still checked at once, and a
+/// database that does not answer at start is logged.
+pub async fn connect_serving(
+    database_url: &str,
+    max_connections: u32,
+) -> Result<PgPool, sqlx::Error> {
+    let options: sqlx::postgres::PgConnectOptions = database_url.parse()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_lazy_with(options);
+    if let Err(e) = pool.acquire().await {
+        tracing::warn!(
+            error = %e,
+            "the database does not answer; starting anyway, and connecting once it does"
+        );
+    }
+    Ok(pool)
+}
+
 /// Why migrating failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {

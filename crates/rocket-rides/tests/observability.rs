@@ -105,3 +105,76 @@ async fn json_logs_are_one_object_per_line_and_every_line_of_a_request_names_it(
         "{messages:?}"
     );
 }
+
+#[sqlx::test(migrations = false)]
+async fn serve_starts_without_its_database_and_is_ready_once_the_database_answers(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    // A port that refuses connections now, and forwards to the database later: the database
+    // "comes back".
+    let door = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let door_addr = door.local_addr().unwrap();
+    drop(door);
+    let database = common::url_of(&app.pool).await;
+    let server_port = app.pool.connect_options().get_port();
+    let unreachable = database.replacen(
+        &format!("127.0.0.1:{server_port}"),
+        &door_addr.to_string(),
+        1,
+    );
+    assert_ne!(unreachable, database, "the test database is on 127.0.0.1");
+    let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
+        .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
+        .env("DATABASE_URL", &unreachable)
+        .env("STRIPE_API_BASE", app.state.stripe.base())
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(serve.stderr.take().unwrap()).lines();
+    let address = loop {
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("serve logs within 30 s")
+            .unwrap()
+            .expect("serve keeps running without its database");
+        let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        if event["fields"]["message"] == "serving" {
+            break event["fields"]["address"].as_str().unwrap().to_owned();
+        }
+    };
+    let ready = |http: reqwest::Client, address: String| async move {
+        http.get(format!("http://{address}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    assert_eq!(ready(app.http.clone(), address.clone()).await, 503);
+    // The database comes back at the address the process was given.
+    let door = tokio::net::TcpListener::bind(door_addr).await.unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = door.accept().await {
+            tokio::spawn(async move {
+                let mut outbound = tokio::net::TcpStream::connect(("127.0.0.1", server_port))
+                    .await
+                    .unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    let mut status = 0;
+    for _ in 0..100 {
+        status = ready(app.http.clone(), address.clone()).await;
+        if status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        status, 200,
+        "serve did not become ready once its database answered"
+    );
+    serve.start_kill().unwrap();
+}

@@ -327,8 +327,25 @@ async fn a_drain_that_fails_between_effect_and_delete_loses_no_receipt_and_makes
     app.state.failpoints.arm(failpoints::AFTER_RECEIPT_EFFECT);
     let err = outbox::run_once(&app.state, 100).await.unwrap_err();
     assert!(matches!(err, outbox::DrainError::Crashed(_)), "{err}");
-    assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 0);
-    assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 2);
+    let state: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT 'receipts', count(*) FROM ride_receipts
+         UNION ALL SELECT 'staged', count(*) FROM staged_jobs
+         UNION ALL SELECT 'failed', count(*) FROM failed_jobs
+         UNION ALL SELECT 'paid rides', count(*) FROM rides WHERE status = 'paid'",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        app.count("SELECT count(*) FROM ride_receipts").await,
+        0,
+        "{state:?}"
+    );
+    assert_eq!(
+        app.count("SELECT count(*) FROM staged_jobs").await,
+        2,
+        "{state:?}"
+    );
 
     assert_eq!(
         outbox::run_once(&app.state, 100).await.unwrap().delivered,

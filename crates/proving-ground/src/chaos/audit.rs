@@ -3,7 +3,7 @@
 //! both sides where it can: from what clients were told to the rows, and from the rows back to
 //! what was asked.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde_json::Value;
 use sqlx::PgPool;
@@ -109,16 +109,35 @@ struct GatewayCharge {
     request: Option<String>,
 }
 
-/// Runs every check. `pool` reaches the run's database (the service's tables and the gateway's
-/// `fakestripe` schema); `process_exits` counts API or worker processes that died of something
-/// other than the harness's kills and crash points.
+/// How long after a crash or a database fault a 500 is its consequence: a request whose
+/// connection the fault cut answers within a statement's time, one caught in a gateway call
+/// within the gateway timeout.
+pub(crate) const FAULT_500_WINDOW_SECS: u32 = 5;
+
+/// What the run did, besides the requests: for the checks that look at faults.
+pub(crate) struct RunFacts<'a> {
+    /// API or worker processes that died of something other than the harness's kills and crash
+    /// points.
+    pub process_exits: u64,
+    /// Users whose customer the gateway came to refuse.
+    pub refused_users: &'a HashSet<i64>,
+    /// When a crash or a database fault was injected (seconds of the run).
+    pub fault_500_seconds: &'a [u32],
+    /// The fault kinds the run configured, each of which must have been injected.
+    pub configured: &'a [&'static str],
+    /// How many faults of each kind were injected.
+    pub injected: &'a BTreeMap<String, u64>,
+}
+
+/// Runs every check. `pool` reaches the service's database, `gateway` the gateway's.
 pub(crate) async fn audit(
     pool: &PgPool,
+    gateway: &PgPool,
     logs: &[RequestLog],
     before: &Snapshot,
-    process_exits: u64,
-    refused_users: &HashSet<i64>,
+    facts: &RunFacts<'_>,
 ) -> anyhow::Result<Vec<InvariantResult>> {
+    let (process_exits, refused_users) = (facts.process_exits, facts.refused_users);
     let rides: Vec<Ride> = sqlx::query_as(
         "SELECT r.id, r.user_id, k.idempotency_key AS key, k.request_uuid::text AS request,
                 k.response_status, r.amount_cents, r.charge_id, r.status,
@@ -138,7 +157,7 @@ pub(crate) async fn audit(
                 metadata->>'rocket_rides_request' AS request
          FROM fakestripe.charges WHERE status = 'succeeded'",
     )
-    .fetch_all(pool)
+    .fetch_all(gateway)
     .await?;
     let rides_by_id: HashMap<i64, &Ride> = rides.iter().map(|r| (r.id, r)).collect();
     let charges_by_id: HashMap<&str, &GatewayCharge> =
@@ -317,14 +336,28 @@ pub(crate) async fn audit(
     let mut unexpected = Check::new(
         "no_unexpected_answer",
         "during the run every answer was final (201, 402, 502 refused) or asked for a retry (409, \
-         500, 503, no answer), and no API or worker process died other than by the harness's hand",
+         503, no answer; a 500 only within 5 s after a crash or a database fault), and no API or \
+         worker process died other than by the harness's hand",
     );
+    let explained_500 = |second: u32| {
+        facts
+            .fault_500_seconds
+            .iter()
+            .any(|&f| f <= second + 1 && second <= f + FAULT_500_WINDOW_SECS)
+    };
     for log in logs {
         for answer in &log.answers {
-            unexpected.expect(
-                is_final(answer) || matches!(answer.status, None | Some(409 | 500 | 503)),
-                || format!("key {}: unexpected {:?}", log.key, answer.status),
-            );
+            let retry = match answer.status {
+                None | Some(409 | 503) => true,
+                Some(500) => explained_500(answer.second),
+                _ => false,
+            };
+            unexpected.expect(is_final(answer) || retry, || {
+                format!(
+                    "key {}: unexpected {:?} at second {}",
+                    log.key, answer.status, answer.second
+                )
+            });
         }
     }
     unexpected.expect(process_exits == 0, || {
@@ -362,8 +395,13 @@ pub(crate) async fn audit(
         "declines_follow_the_card",
         "rides of declining cards are declined and charged nothing; rides of good cards are not \
          declined; every 402 was for a declining card (a user whose customer the gateway came to \
-         refuse may also have failed rides)",
+         refuse may also have failed rides); at least one request came from a declining card",
     );
+    declines.expect(!declining.is_empty(), || {
+        "no request came from a declining card: the check would pass for nothing (use more \
+         users: every fifth one declines)"
+            .to_owned()
+    });
     for ride in &rides {
         let expected = if declining.contains(&ride.user_id) {
             "declined"
@@ -464,6 +502,15 @@ pub(crate) async fn audit(
         });
     }
 
+    let mut exercised = Check::new(
+        "every_fault_exercised",
+        "every fault kind the run configured was injected at least once",
+    );
+    for kind in facts.configured {
+        let count = facts.injected.get(*kind).copied().unwrap_or(0);
+        exercised.expect(count > 0, || format!("fault never exercised: {kind}"));
+    }
+
     Ok([
         one_ride,
         one_charge,
@@ -478,6 +525,7 @@ pub(crate) async fn audit(
         declines,
         refusals,
         adopted,
+        exercised,
     ]
     .into_iter()
     .map(Check::result)

@@ -30,6 +30,8 @@ pub(crate) struct Answer {
     pub body: Option<Vec<u8>>,
     pub location: Option<String>,
     pub content_type: Option<String>,
+    /// When it came, in seconds of the run (see [`Recorder::second`]); 0 after the run.
+    pub second: u32,
 }
 
 /// One request and everything that happened to it.
@@ -144,7 +146,9 @@ async fn one_request(
     let mut attempt = 0u32;
     loop {
         let target = plan.targets[rng.random_range(0..plan.targets.len())];
-        let (answer, retry_after) = send(http, target, &log.user.api_key, &log.key, &body).await;
+        let (mut answer, retry_after) =
+            send(http, target, &log.user.api_key, &log.key, &body).await;
+        answer.second = recorder.second();
         recorder.response(
             &answer
                 .status
@@ -219,6 +223,7 @@ async fn send(
                     body,
                     location,
                     content_type,
+                    second: 0,
                 },
                 retry_after,
             )

@@ -4,21 +4,29 @@
 //!
 //! ```text
 //!  clients ──proxy──► api-0 ┐                       ┌─ fakestripe (in-process, faults on)
-//!  clients ──proxy──► api-1 ├─proxy─► gateway ──────┘
-//!  clients ──proxy──► api-2 ┘        (network faults)
-//!             worker (completer, drain, reaper)      PostgreSQL (pg_terminate_backend)
+//!  clients ──proxy──► api-1 ├─proxy─► gateway ──────┘    its database on DATABASE_URL's server
+//!  clients ──proxy──► api-2 ┘        (network faults, per connection and per response)
+//!             worker (completer, drain, reaper)
+//!  api-i, worker ──PgProxy (cuts after COMMIT)──► the run's own PostgreSQL cluster
+//!                                                  (pg_terminate_backend, crash and restart;
+//!                                                   --failover: a synchronous standby, promoted)
 //!  killers: SIGKILL api-i / worker at random · failpoints: crash at exact points (exit codes)
 //! ```
 //!
-//! The run: a fresh database, the gateway, K API processes and a worker (the `rocket-rides` binary, built
-//! with failpoints), users (some with declining cards), C clients sending N requests with fresh
-//! keys, every fault on. Then the faults stop, a calm worker finishes what was abandoned, every
-//! request is asked once more (the replay must equal the first answer), and the auditor checks
-//! the invariants. The exit status is 0 only if all of them hold.
+//! The run: a PostgreSQL cluster of its own for the service (see [`postgres`]), a fresh database
+//! for the gateway, K API processes and a worker (the `rocket-rides` binary, built with
+//! failpoints), users (some with declining cards), C clients sending N requests with fresh keys,
+//! every fault on. Then the faults stop, a calm worker finishes what was abandoned, every request
+//! is asked once more (the replay must equal the first answer), and the auditor checks the
+//! invariants, one of which is that every configured fault kind was injected. The exit status is
+//! 0 only if all of them hold.
 
 mod audit;
 mod clients;
+mod cluster;
 pub mod html;
+mod pgproxy;
+mod postgres;
 mod processes;
 pub mod proxy;
 mod recorder;
@@ -53,6 +61,9 @@ pub enum Sabotage {
     /// Run the worker with a completer grace of 1000 hours, so it never takes a key: requests
     /// whose clients gave up stay unfinished.
     Completer,
+    /// With `--failover`: replicate asynchronously, and stall the replication stream before the
+    /// primary dies, so that commits it acknowledged are lost with it.
+    SyncReplication,
 }
 
 /// A fault family that can be switched off.
@@ -66,7 +77,9 @@ pub enum FaultFamily {
     Gateway,
     /// Delay, reset and blackhole on the loopback proxies.
     Network,
-    /// `pg_terminate_backend` of the service's database connections.
+    /// `pg_terminate_backend` of the service's database connections (idle ones, and ones in
+    /// the middle of their work), connections cut right after their `COMMIT`, and a crash of
+    /// PostgreSQL itself, restarted with crash recovery.
     Database,
 }
 
@@ -117,14 +130,25 @@ pub struct ChaosArgs {
     /// Drop the run's database afterwards even when the audit fails (tests of the harness).
     #[arg(long)]
     pub drop_database: bool,
+    /// Give the run's PostgreSQL a streaming standby with synchronous replication, and fail over
+    /// to it half-way through the run: the primary is killed, the standby promoted, and the
+    /// services reach it through the same address (instead of the crash and restart).
+    #[arg(long)]
+    pub failover: bool,
 }
 
 /// The lease of the API processes: short, so that abandoned keys are taken over within the run.
 /// It must stay at least the gateway timeout + 5 s (checked by the processes themselves).
 const LEASE_TTL: &str = "8s";
-const GATEWAY_TIMEOUT: &str = "2s";
+const GATEWAY_TIMEOUT: &str = "3s";
 const GATEWAY_CONNECT_TIMEOUT: &str = "500ms";
-const LEASE_HEARTBEAT: &str = "3s";
+/// Short, so that a slow gateway call outlives it: the heartbeat then renews mid-call.
+const LEASE_HEARTBEAT: &str = "1s";
+/// A slow charge: slower than the heartbeat, within the gateway timeout.
+const SLOW_CHARGE_MS: u64 = 2_000;
+/// A stalled charge: slower than the gateway timeout; the gateway charges after the service gave
+/// up on the call, and answers its retries 409 meanwhile.
+const STALLED_CHARGE_MS: u64 = 3_500;
 /// How long the services trust a gateway key: short, so that keys left unfinished by crashes and
 /// given-up clients are resumed past it and reconciled within the run.
 const GATEWAY_KEY_WINDOW: &str = "5s";
@@ -137,6 +161,76 @@ const GATEWAY_FORGET_EVERY: Duration = Duration::from_secs(2);
 const COMPLETER_GRACE: &str = "9s";
 /// How long the calm final pass may take to finish every key before the audit says so.
 const FINAL_PASS_LIMIT: Duration = Duration::from_secs(120);
+/// Every fault kind each family injects, as counted in the report: a run with the family on must
+/// inject each at least once (`every_fault_exercised`).
+const FAULT_KINDS: [(FaultFamily, &[&str]); 5] = [
+    (FaultFamily::Kill, &["kill_api", "kill_worker"]),
+    (
+        FaultFamily::Crash,
+        &[
+            "crash_after_ride_created",
+            "crash_after_gateway_charge",
+            "crash_after_finished",
+            "crash_after_receipt_effect",
+        ],
+    ),
+    (
+        FaultFamily::Gateway,
+        &[
+            "gateway_fail_before",
+            "gateway_fail_after",
+            "gateway_drop_after",
+            "gateway_conflict",
+            "gateway_sticky_500",
+            "gateway_refuse",
+            "gateway_forget_keys",
+            "gateway_slow_past_heartbeat",
+            "gateway_slow_past_timeout",
+        ],
+    ),
+    (
+        FaultFamily::Network,
+        &["net_reset", "net_blackhole", "net_reset_mid_response"],
+    ),
+    (
+        FaultFamily::Database,
+        &[
+            "pg_terminate",
+            "pg_terminate_active",
+            "db_cut_after_commit",
+            "pg_crash_restart",
+        ],
+    ),
+];
+
+/// The probability that a service's `COMMIT` is cut off from its answer.
+const DB_CUT_AFTER_COMMIT: f64 = 0.01;
+/// How long the run's PostgreSQL stays down when it crashes.
+const PG_DOWN: Duration = Duration::from_secs(1);
+/// How long the negative control of `--failover` stalls replication before the primary dies.
+const REPLICATION_STALL: Duration = Duration::from_secs(2);
+/// How long setting up the run's PostgreSQL (a cluster, a standby) may take.
+const SETUP_LIMIT: Duration = Duration::from_secs(120);
+/// Where the run's PostgreSQL clusters live (a directory the `postgres` user can reach).
+const CLUSTERS_DIR: &str = "/var/tmp/rocket-rides-chaos";
+
+/// The faults after which a 500 is an honest answer: a crash, or the database failing under a
+/// request.
+const FAULTS_THAT_ANSWER_500: &[&str] = &[
+    "db_cut_after_commit",
+    "pg_crash_restart",
+    "pg_failover",
+    "crash_after_ride_created",
+    "crash_after_new_generation",
+    "crash_after_gateway_charge",
+    "crash_after_finished",
+    "crash_after_receipt_effect",
+    "pg_terminate",
+    "pg_terminate_active",
+];
+
+/// The `application_name` of the services' database connections.
+const SERVICE_APPLICATION: &str = "rocket-rides";
 /// The secret key the run's services use at the gateway.
 const GATEWAY_SECRET: &str = "sk_test_chaos";
 
@@ -152,7 +246,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     let mut rng = StdRng::seed_from_u64(seed);
     let on = |family| !args.no.contains(&family);
     let started_at = time::OffsetDateTime::now_utc();
-    let run_name = format!("chaos-{}-{seed}", started_at.unix_timestamp());
+    // The process id too: two runs with one seed may start within the same second.
+    let run_name = format!(
+        "chaos-{}-{seed}-{}",
+        started_at.unix_timestamp(),
+        std::process::id()
+    );
     let dir = args.report_dir.join(&run_name);
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     eprintln!(
@@ -163,28 +262,62 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         dir.display()
     );
 
-    // A fresh database on the server.
+    // The gateway's database on the server; the service's in a PostgreSQL of the run's own,
+    // which may crash and fail over.
     let server: PgConnectOptions = args.database_url.parse().context("parse DATABASE_URL")?;
-    let database = format!("rocket_rides_{}", run_name.replace('-', "_"));
+    let gateway_database = format!("rocket_rides_{}_gateway", run_name.replace('-', "_"));
     let mut admin = server
         .clone()
         .connect()
         .await
         .context("connect to PostgreSQL")?;
-    sqlx::query(&format!("CREATE DATABASE {database}"))
+    sqlx::query(&format!("CREATE DATABASE {gateway_database}"))
         .execute(&mut admin)
         .await?;
-    let options = server.clone().database(&database);
-    let database_url = options.to_url_lossy().to_string();
+    let gateway_url = server
+        .clone()
+        .database(&gateway_database)
+        .to_url_lossy()
+        .to_string();
+    let replication = match (
+        args.failover,
+        args.without.contains(&Sabotage::SyncReplication),
+    ) {
+        (false, _) => cluster::Replication::None,
+        (true, false) => cluster::Replication::Synchronous,
+        (true, true) => cluster::Replication::Asynchronous,
+    };
+    let cut_probability = if on(FaultFamily::Database) {
+        DB_CUT_AFTER_COMMIT
+    } else {
+        0.0
+    };
+    let mut postgres = tokio::time::timeout(
+        SETUP_LIMIT,
+        postgres::Postgres::start(
+            &PathBuf::from(CLUSTERS_DIR).join(&run_name),
+            cut_probability,
+            rng.random(),
+        ),
+    )
+    .await
+    .context("the run's PostgreSQL did not start in time")??;
+    let database = postgres.database().to_owned();
     let pool = PgPoolOptions::new()
         .max_connections(8)
-        .connect_with(options.clone().application_name("chaos-auditor"))
+        .connect_with(
+            postgres
+                .harness_url()
+                .parse::<PgConnectOptions>()?
+                .application_name("chaos-auditor"),
+        )
         .await?;
     rocket_rides::db::migrate(&pool).await?;
 
     // The gateway, in-process, and the network between the API and it.
     let recorder = Recorder::new();
-    let gateway_pool = fakestripe::connect(&database_url).await?;
+    let gateway_pool = fakestripe::connect(&gateway_url).await?;
+    let charges_pool = gateway_pool.clone();
     let gateway_faults = fakestripe::Faults {
         latency_ms: 10,
         jitter_ms: 40,
@@ -194,6 +327,10 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         conflict_in_flight: 0.02,
         sticky_500_before_charge: 0.01,
         sticky_500_after_charge: 0.01,
+        slow_charges: 0.03,
+        slow_ms: SLOW_CHARGE_MS,
+        stalled_charges: 0.02,
+        stalled_ms: STALLED_CHARGE_MS,
         seed: Some(rng.random()),
         ..fakestripe::Faults::none()
     };
@@ -221,6 +358,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             jitter_ms: 20,
             reset_probability: 0.03,
             blackhole_probability: 0.005,
+            response_reset_probability: 0.01,
         }
     } else {
         ProxyFaults::default()
@@ -262,15 +400,27 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         gateway.set_faults(gateway_faults);
     }
 
+    if args.failover {
+        tokio::time::timeout(SETUP_LIMIT, postgres.add_standby(replication))
+            .await
+            .context("the standby did not start streaming in time")??;
+    }
+
     // The API processes and the worker: this binary, with failpoints compiled in.
     let program = service_binary(args.service_bin.as_deref())?;
     // A new key generation is rare (a reconciliation that found nothing), so its point is
     // armed more often than the others.
-    let crash_spec = "after_ride_created=0.004,after_new_generation=0.05,\
-                      after_gateway_charge=0.005,after_finished=0.005,\
-                      after_receipt_effect=0.004";
+    // The others are drawn often enough that a run of a thousand requests meets each of them
+    // several times (every configured kind must be exercised).
+    let crash_spec = "after_ride_created=0.006,after_new_generation=0.05,\
+                      after_gateway_charge=0.008,after_finished=0.008,\
+                      after_receipt_effect=0.01";
     let mut env = vec![
-        ("DATABASE_URL".to_owned(), database_url.clone()),
+        // Named, so that the database killer finds the services' connections among the others.
+        (
+            "DATABASE_URL".to_owned(),
+            postgres.service_url(SERVICE_APPLICATION),
+        ),
         (
             "STRIPE_API_BASE".to_owned(),
             format!("http://{}", gateway_proxy.local_addr()),
@@ -298,8 +448,8 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 rocket_rides::failpoints::SABOTAGE_ENV.to_owned(),
                 rocket_rides::failpoints::SABOTAGE_FRESH_GATEWAY_KEY.to_owned(),
             )),
-            // Applied to the worker's arguments below.
-            Sabotage::Completer => {}
+            // Applied to the worker's arguments below, and to the replication above.
+            Sabotage::Completer | Sabotage::SyncReplication => {}
         }
     }
     let completer_grace = if args.without.contains(&Sabotage::Completer) {
@@ -447,6 +597,59 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             });
         }
     }
+    // PostgreSQL itself, half-way through: a crash and a restart (crash recovery), or with
+    // --failover the primary's death and the standby's promotion. The seconds it is away are
+    // noted: 500s then are its doing.
+    let postgres = Arc::new(tokio::sync::Mutex::new(postgres));
+    let outage: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+    if on(FaultFamily::Database) || args.failover {
+        let (postgres, done, stop, recorder, outage) = (
+            postgres.clone(),
+            done.clone(),
+            stop.clone(),
+            recorder.clone(),
+            outage.clone(),
+        );
+        let (total, failover) = (args.requests, args.failover);
+        let stall = args.without.contains(&Sabotage::SyncReplication);
+        background.spawn(async move {
+            while !stop.load(Ordering::Relaxed) && done.load(Ordering::Relaxed) < total / 2 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let mut postgres = postgres.lock().await;
+            if failover && stall {
+                // Commits go on on the primary alone while its standby hears nothing.
+                postgres.stall_replication();
+                tokio::time::sleep(REPLICATION_STALL).await;
+            }
+            let from = recorder.second();
+            let (kind, result) = if failover {
+                ("pg_failover", postgres.fail_over().await)
+            } else {
+                (
+                    "pg_crash_restart",
+                    postgres.crash_and_restart(PG_DOWN).await,
+                )
+            };
+            recorder.fault(kind, 1);
+            match result {
+                Ok(()) => {
+                    let to = recorder.second();
+                    outage
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .extend(from..=to);
+                }
+                Err(e) => {
+                    eprintln!("chaos: {kind} failed: {e:#}");
+                    recorder.unexpected_exit();
+                }
+            }
+        });
+    }
     let apis = Arc::new(apis);
     if on(FaultFamily::Kill) {
         let (apis, stop, mut rng) = (
@@ -482,8 +685,9 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             recorder.clone(),
             database.clone(),
         );
-        let mut rng = StdRng::seed_from_u64(rng.random());
+        let killer_rng = StdRng::seed_from_u64(rng.random());
         background.spawn(async move {
+            let mut rng = killer_rng;
             while !stop.load(Ordering::Relaxed) {
                 tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
                 // One random connection of the service or the gateway, never the auditor's own.
@@ -502,8 +706,48 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             }
         });
     }
+    if on(FaultFamily::Database) {
+        // Work in progress: a service backend running a statement or inside a transaction.
+        // Looked for often, since such a backend is busy only for moments.
+        let (pool, stop, recorder, database) = (
+            pool.clone(),
+            stop.clone(),
+            recorder.clone(),
+            database.clone(),
+        );
+        let mut rng = StdRng::seed_from_u64(rng.random());
+        background.spawn(async move {
+            let mut pause = Duration::from_millis(rng.random_range(300..900));
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(pause).await;
+                let killed: Result<Option<bool>, _> = sqlx::query_scalar(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                     WHERE datname = $1 AND application_name = $2
+                       AND state IN ('active', 'idle in transaction')
+                       AND pid <> pg_backend_pid()
+                     ORDER BY random() LIMIT 1",
+                )
+                .bind(&database)
+                .bind(SERVICE_APPLICATION)
+                .fetch_optional(&pool)
+                .await;
+                pause = if let Ok(Some(true)) = killed {
+                    recorder.fault("pg_terminate_active", 1);
+                    Duration::from_millis(rng.random_range(300..900))
+                } else {
+                    // Nothing busy right now: look again soon.
+                    Duration::from_millis(20)
+                };
+            }
+        });
+    }
     {
-        let (gateway, stop, recorder) = (gateway.clone(), stop.clone(), recorder.clone());
+        let (gateway, stop, recorder, postgres) = (
+            gateway.clone(),
+            stop.clone(),
+            recorder.clone(),
+            postgres.clone(),
+        );
         let proxies: Vec<Arc<Proxy>> = client_proxies
             .iter()
             .cloned()
@@ -512,8 +756,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         background.spawn(async move {
             let mut last_gateway = gateway.counters();
             let mut last_network = proxy::ProxyCounters::default();
+            let mut last_cuts = 0;
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
+                let cuts = postgres.lock().await.cuts();
+                recorder.fault(pgproxy::DB_CUT_AFTER_COMMIT, cuts - last_cuts);
+                last_cuts = cuts;
                 let now = gateway.counters();
                 recorder.ambient("gateway_latency", now.latency - last_gateway.latency);
                 recorder.fault(
@@ -539,18 +787,31 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                             + last_gateway.sticky_500_after_charge),
                 );
                 recorder.fault("gateway_refuse", now.refused - last_gateway.refused);
+                recorder.fault(
+                    "gateway_slow_past_heartbeat",
+                    now.slow_charges - last_gateway.slow_charges,
+                );
+                recorder.fault(
+                    "gateway_slow_past_timeout",
+                    now.stalled_charges - last_gateway.stalled_charges,
+                );
                 last_gateway = now;
                 let mut network = proxy::ProxyCounters::default();
                 for counters in proxies.iter().map(|p| p.counters()) {
                     network.delayed += counters.delayed;
                     network.reset += counters.reset;
                     network.blackholed += counters.blackholed;
+                    network.response_reset += counters.response_reset;
                 }
                 recorder.ambient("net_delay", network.delayed - last_network.delayed);
                 recorder.fault("net_reset", network.reset - last_network.reset);
                 recorder.fault(
                     "net_blackhole",
                     network.blackholed - last_network.blackholed,
+                );
+                recorder.fault(
+                    "net_reset_mid_response",
+                    network.response_reset - last_network.response_reset,
                 );
                 last_network = network;
                 if stop.load(Ordering::Relaxed) {
@@ -602,6 +863,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     // Calm: no more faults; a worker without crash points finishes what was abandoned.
     stop.store(true, Ordering::Relaxed);
     while background.join_next().await.is_some() {}
+    postgres.lock().await.calm();
     gateway.set_faults(fakestripe::Faults::default());
     for proxy in client_proxies.iter().chain([&gateway_proxy]) {
         proxy.set_faults(ProxyFaults::default())?;
@@ -670,7 +932,26 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
-    let invariants = audit::audit(&pool, &logs, &before, process_exits, &refused_users).await?;
+    // With --failover the database's death is the failover, not a crash and restart.
+    let mut configured: Vec<&'static str> = FAULT_KINDS
+        .iter()
+        .filter(|(family, _)| on(*family))
+        .flat_map(|(_, kinds)| kinds.iter().copied())
+        .filter(|kind| !(args.failover && *kind == "pg_crash_restart"))
+        .collect();
+    if args.failover {
+        configured.push("pg_failover");
+    }
+    let mut fault_500_seconds = recorder.fault_seconds(FAULTS_THAT_ANSWER_500);
+    fault_500_seconds.extend(outage.lock().unwrap_or_else(|e| e.into_inner()).iter());
+    let facts = audit::RunFacts {
+        process_exits,
+        refused_users: &refused_users,
+        fault_500_seconds: &fault_500_seconds,
+        configured: &configured,
+        injected: &recorder.fault_totals(),
+    };
+    let invariants = audit::audit(&pool, &charges_pool, &logs, &before, &facts).await?;
     let passed = invariants.iter().all(|i| i.passed);
     let mut outcomes = BTreeMap::new();
     for log in &logs {
@@ -708,12 +989,19 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     report.write_json(&dir.join("report.json"))?;
     html::write(&report, &dir.join("report.html"))?;
     pool.close().await;
-    if args.drop_database || (passed && !args.keep_database) {
-        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-            .execute(&mut admin)
-            .await;
+    charges_pool.close().await;
+    let drop = args.drop_database || (passed && !args.keep_database);
+    if let Some(postgres) = Arc::into_inner(postgres) {
+        postgres.into_inner().finish(!drop).await;
+    }
+    if drop {
+        let _ = sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS {gateway_database} WITH (FORCE)"
+        ))
+        .execute(&mut admin)
+        .await;
     } else {
-        eprintln!("chaos: database {database} kept for inspection");
+        eprintln!("chaos: the gateway's database {gateway_database} is kept for inspection");
     }
     eprintln!("chaos: report in {}", dir.join("report.html").display());
     Ok(report)

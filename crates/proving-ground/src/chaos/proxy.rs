@@ -19,6 +19,14 @@
 //! same fates. (Accept order itself depends on the scheduler; the run's reproducibility stops at
 //! the kernel.)
 //!
+//! A connection that lives for many exchanges (a service's keep-alive connection to its
+//! gateway) would meet its one fate on its first exchange only. So with `response_reset_probability`
+//! the proxy also reads the HTTP/1.1 responses going back to the client, one by one (their head,
+//! then `Content-Length` bytes), and draws for every response whether to abort the connection
+//! inside it: anywhere from its first byte to one byte before its end, that last byte being
+//! drawn a quarter of the time. A response it cannot frame (chunked, or delimited by the close)
+//! ends the per-response draws for its connection.
+//!
 //! Faults reach the report in two ways: [`Proxy::counters`] (totals, also observable as a
 //! [`watch`] channel through [`Proxy::watch_counters`], so tests wait for a count instead of
 //! sleeping), and [`Proxy::take_events`], which drains the timestamped fault events for the
@@ -44,6 +52,12 @@ pub const NET_DELAY: &str = "net_delay";
 pub const NET_RESET: &str = "net_reset";
 /// Fault kind of a blackholed connection.
 pub const NET_BLACKHOLE: &str = "net_blackhole";
+/// Fault kind of a connection aborted inside one of its HTTP responses, drawn per response.
+pub const NET_RESET_MID_RESPONSE: &str = "net_reset_mid_response";
+
+/// The longest response head the per-response framing reads; a longer one ends the framing of
+/// its connection (it is forwarded untouched).
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 
 /// How long a blackholed connection is held open at most, unless the client closes it first.
 ///
@@ -86,6 +100,10 @@ pub struct ProxyFaults {
     pub reset_probability: f64,
     /// Probability in `[0, 1]` that a connection is blackholed (checked before the reset).
     pub blackhole_probability: f64,
+    /// Probability in `[0, 1]`, drawn for every HTTP response on every connection, that the
+    /// connection is aborted inside that response.
+    #[serde(default)]
+    pub response_reset_probability: f64,
 }
 
 impl ProxyFaults {
@@ -94,6 +112,10 @@ impl ProxyFaults {
         for (name, p) in [
             ("reset_probability", self.reset_probability),
             ("blackhole_probability", self.blackhole_probability),
+            (
+                "response_reset_probability",
+                self.response_reset_probability,
+            ),
         ] {
             // `contains` is false for NaN too.
             if !(0.0..=1.0).contains(&p) {
@@ -119,6 +141,8 @@ pub struct ProxyCounters {
     pub reset: u64,
     /// Connections blackholed.
     pub blackholed: u64,
+    /// Connections aborted inside one of their responses by the per-response draw.
+    pub response_reset: u64,
 }
 
 /// A running proxy. Dropping it (or [`Proxy::shutdown`]) closes the listener and aborts every
@@ -328,6 +352,18 @@ impl Shared {
         fate
     }
 
+    /// Draws, for one response of `len` bytes, the offset at which to abort its connection, if
+    /// any: uniform over the response, or its last byte (one byte before its end) a quarter of
+    /// the time. Every call consumes the same draws.
+    fn draw_response_reset(&self, len: u64) -> Option<u64> {
+        let probability = lock(&self.faults).response_reset_probability;
+        let mut rng = lock(&self.rng);
+        let reset = rng.random::<f64>() < probability;
+        let last_byte = rng.random_range(0..4) == 0;
+        let anywhere = rng.random_range(0..len.max(1));
+        (reset && len > 0).then(|| if last_byte { len - 1 } else { anywhere })
+    }
+
     /// Records a fault event and bumps its counter.
     fn record(&self, kind: &'static str, count: impl FnOnce(&mut ProxyCounters)) {
         lock(&self.events).push((Instant::now(), kind));
@@ -411,6 +447,8 @@ async fn blackhole(mut client: TcpStream) {
 enum PipeError {
     /// The direction reached its reset point.
     Reset,
+    /// A response reached the reset point drawn for it.
+    ResponseReset,
     /// A socket failed (often: reset by a killed process).
     Io(io::Error),
 }
@@ -441,12 +479,19 @@ async fn forward(
             after_bytes,
         }) => (None, Some(after_bytes)),
     };
+    let per_response = lock(&shared.faults).response_reset_probability > 0.0;
     let result = {
         let (mut client_read, mut client_write) = client.split();
         let (mut upstream_read, mut upstream_write) = upstream.split();
         tokio::try_join!(
             pipe(&mut client_read, &mut upstream_write, to_upstream_limit),
-            pipe(&mut upstream_read, &mut client_write, to_client_limit),
+            async {
+                if per_response && to_client_limit.is_none() {
+                    pipe_responses(&mut upstream_read, &mut client_write, shared).await
+                } else {
+                    pipe(&mut upstream_read, &mut client_write, to_client_limit).await
+                }
+            },
         )
     };
     match result {
@@ -454,6 +499,10 @@ async fn forward(
         Ok(((), ())) => {}
         Err(PipeError::Reset) => {
             shared.record(NET_RESET, |c| c.reset += 1);
+            abort(client, upstream);
+        }
+        Err(PipeError::ResponseReset) => {
+            shared.record(NET_RESET_MID_RESPONSE, |c| c.response_reset += 1);
             abort(client, upstream);
         }
         // One side failed; pass the failure on to the other as a reset rather than a clean close,
@@ -501,6 +550,99 @@ where
     }
 }
 
+/// Copies HTTP/1.1 responses from `from` to `to` one by one, drawing for each whether to abort
+/// the connection inside it ([`Shared::draw_response_reset`]). Bytes it cannot frame are copied
+/// as they come.
+async fn pipe_responses<R, W>(from: &mut R, to: &mut W, shared: &Shared) -> Result<(), PipeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut pending: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; COPY_BUFFER];
+    loop {
+        // The head of the next response.
+        let head_len = loop {
+            if let Some(end) = find_head_end(&pending) {
+                break Some(end);
+            }
+            if pending.len() > MAX_RESPONSE_HEAD {
+                break None;
+            }
+            let n = from.read(&mut buf).await?;
+            if n == 0 {
+                to.write_all(&pending).await?;
+                to.shutdown().await?;
+                return Ok(());
+            }
+            pending.extend_from_slice(&buf[..n]);
+        };
+        let Some(total) =
+            head_len.and_then(|head| response_len(&pending[..head]).map(|b| head + b))
+        else {
+            // Not a response it can frame: forward the rest untouched.
+            to.write_all(&pending).await?;
+            return pipe(from, to, None).await;
+        };
+        let total = total as u64;
+        let reset_at = shared.draw_response_reset(total);
+        // Forward this response, stopping at the drawn offset.
+        let mut sent: u64 = 0;
+        loop {
+            let room = reset_at.unwrap_or(total).min(total) - sent;
+            let chunk = (pending.len() as u64).min(room) as usize;
+            to.write_all(&pending[..chunk]).await?;
+            pending.drain(..chunk);
+            sent += chunk as u64;
+            if Some(sent) == reset_at {
+                to.flush().await?;
+                return Err(PipeError::ResponseReset);
+            }
+            if sent == total {
+                break;
+            }
+            let n = from.read(&mut buf).await?;
+            if n == 0 {
+                to.shutdown().await?;
+                return Ok(());
+            }
+            pending.extend_from_slice(&buf[..n]);
+        }
+    }
+}
+
+/// The length of a response head ending with its blank line, once `bytes` holds all of it.
+fn find_head_end(bytes: &[u8]) -> Option<usize> {
+    bytes
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4)
+}
+
+/// The body length of a response with this head, when its framing is a `Content-Length` (or no
+/// body at all); `None` for chunked or close-delimited bodies, and heads it cannot read.
+fn response_len(head: &[u8]) -> Option<usize> {
+    let head = std::str::from_utf8(head).ok()?;
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+    if (100..200).contains(&status) || status == 204 || status == 304 {
+        return Some(0);
+    }
+    let mut length = None;
+    for line in lines {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        if name.trim().eq_ignore_ascii_case("transfer-encoding") {
+            return None;
+        }
+        if name.trim().eq_ignore_ascii_case("content-length") {
+            length = Some(value.trim().parse().ok()?);
+        }
+    }
+    length
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
@@ -546,6 +688,95 @@ mod tests {
 
     fn payload(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
+    /// A loopback HTTP server that answers every request on a connection with the same
+    /// `Content-Length` response (requests are read as any bytes: each read is one request).
+    async fn http_server(body_len: usize) -> (SocketAddr, usize) {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let response = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {body_len}\r\n\r\n{}",
+            "x".repeat(body_len)
+        );
+        let len = response.len();
+        tokio::spawn(async move {
+            loop {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                let response = response.clone();
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 1024];
+                    while let Ok(n) = stream.read(&mut buf).await {
+                        if n == 0 || stream.write_all(response.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, len)
+    }
+
+    /// Sends `exchanges` requests on one connection, each after the previous answer; returns how
+    /// many full responses came back and how many bytes of the one cut short.
+    async fn exchanges(proxy: SocketAddr, exchanges: usize, len: usize) -> (usize, usize) {
+        let mut stream = TcpStream::connect(proxy).await.unwrap();
+        let mut buf = vec![0u8; len];
+        for done in 0..exchanges {
+            if stream.write_all(b"GET / HTTP/1.1\r\n\r\n").await.is_err() {
+                return (done, 0);
+            }
+            let mut got = 0;
+            while got < len {
+                match tokio::time::timeout(TEST_BOUND, stream.read(&mut buf[got..])).await {
+                    Ok(Ok(0)) | Ok(Err(_)) => return (done, got),
+                    Ok(Ok(n)) => got += n,
+                    Err(_) => panic!("no answer from the proxy within {TEST_BOUND:?}"),
+                }
+            }
+        }
+        (exchanges, 0)
+    }
+
+    #[tokio::test]
+    async fn responses_are_cut_anywhere_on_long_lived_connections_and_counted() {
+        let (server, len) = http_server(300).await;
+        let faults = ProxyFaults {
+            response_reset_probability: 0.25,
+            ..ProxyFaults::default()
+        };
+        let proxy = Proxy::start("test", server, faults, 9).await.unwrap();
+        let (mut cut, mut later_than_first, mut last_byte) = (0, 0, 0);
+        for _ in 0..40 {
+            let (full, partial) = exchanges(proxy.local_addr(), 20, len).await;
+            if full < 20 {
+                cut += 1;
+                assert!(partial < len);
+                later_than_first += usize::from(full > 0);
+                last_byte += usize::from(partial == len - 1);
+            }
+        }
+        assert_eq!(proxy.counters().response_reset, cut as u64);
+        assert!(cut > 30, "only {cut} of 40 connections were cut");
+        assert!(
+            later_than_first > 0,
+            "no connection was cut after its first exchange"
+        );
+        assert!(last_byte > 0, "no response was cut one byte before its end");
+    }
+
+    #[test]
+    fn responses_are_framed_by_their_content_length() {
+        let head = b"HTTP/1.1 201 Created\r\nContent-Length: 12\r\nx: y\r\n\r\n";
+        assert_eq!(find_head_end(head), Some(head.len()));
+        assert_eq!(response_len(head), Some(12));
+        assert_eq!(response_len(b"HTTP/1.1 204 No Content\r\n\r\n"), Some(0));
+        assert_eq!(
+            response_len(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"),
+            None
+        );
+        assert_eq!(response_len(b"HTTP/1.1 200 OK\r\n\r\n"), None);
+        assert_eq!(find_head_end(b"HTTP/1.1 200 OK\r\n"), None);
     }
 
     #[tokio::test]
@@ -720,6 +951,7 @@ mod tests {
             jitter_ms: 20,
             reset_probability: 0.3,
             blackhole_probability: 0.2,
+            response_reset_probability: 0.1,
         };
 
         let first = fates(42, &faults, 200);
@@ -749,6 +981,7 @@ mod tests {
             jitter_ms: 5,
             reset_probability: 1.0,
             blackhole_probability: 0.0,
+            response_reset_probability: 0.0,
         };
         for fate in fates(1, &always, 100) {
             let Fate::Forward {

@@ -33,7 +33,8 @@ impl Recorder {
         }
     }
 
-    fn second(&self) -> u32 {
+    /// Seconds since the run began: when answers and faults happened.
+    pub(crate) fn second(&self) -> u32 {
         self.start.elapsed().as_secs() as u32
     }
 
@@ -82,6 +83,19 @@ impl Recorder {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .unexpected_exits
+    }
+
+    /// The seconds at which a fault of one of `kinds` was injected, in order.
+    pub(crate) fn fault_seconds(&self, kinds: &[&str]) -> Vec<u32> {
+        let events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seconds: Vec<u32> = events
+            .faults
+            .iter()
+            .filter(|(_, kind, _)| kinds.contains(&kind.as_str()))
+            .map(|(second, _, _)| *second)
+            .collect();
+        seconds.sort_unstable();
+        seconds
     }
 
     /// Totals by kind, latency included.

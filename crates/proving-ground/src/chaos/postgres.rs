@@ -1,0 +1,201 @@
+//! The run's PostgreSQL: a private cluster (so that it may crash), reached through proxies.
+//!
+//! ```text
+//!  API processes, worker ──► service proxy (cuts after COMMIT) ──┐
+//!  the harness (auditor, killers) ──► harness proxy ──────────────┼──► primary ──replication proxy──► standby
+//!                                                                 └──► (after a failover) the promoted standby
+//! ```
+//!
+//! The services and the harness reach the server through proxies of their own, as through a
+//! virtual IP: a failover points both at the promoted standby. The standby, with `--failover`,
+//! streams through a third proxy, which the negative control stalls before the primary dies.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use sqlx::{ConnectOptions, Connection, PgConnection};
+
+use super::cluster::{Cluster, Replication};
+use super::pgproxy::PgProxy;
+
+/// The service's database in the cluster.
+const DATABASE: &str = "rocket_rides";
+
+/// How long a failover run waits for its standby to stream (and, synchronous, to be the sync one).
+const STANDBY_WAIT: Duration = Duration::from_secs(60);
+
+pub(crate) struct Postgres {
+    primary: Cluster,
+    standby: Option<Cluster>,
+    services: PgProxy,
+    harness: PgProxy,
+    replication: Option<PgProxy>,
+    root: PathBuf,
+}
+
+impl Postgres {
+    /// A fresh cluster under `root`, started, with the service's database created, the
+    /// services' proxy cutting a connection after a `COMMIT` with `cut_probability`.
+    pub(crate) async fn start(
+        root: &Path,
+        cut_probability: f64,
+        seed: u64,
+    ) -> anyhow::Result<Self> {
+        let primary = Cluster::create(root, "primary").await?;
+        primary
+            .start()
+            .await
+            .context("start the run's PostgreSQL")?;
+        let services = PgProxy::start(primary.address(), cut_probability, seed).await?;
+        let harness = PgProxy::start(primary.address(), 0.0, seed).await?;
+        let this = Self {
+            primary,
+            standby: None,
+            services,
+            harness,
+            replication: None,
+            root: root.to_owned(),
+        };
+        let mut admin = this.connect("postgres").await?;
+        sqlx::query(&format!("CREATE DATABASE {DATABASE}"))
+            .execute(&mut admin)
+            .await?;
+        admin.close().await?;
+        Ok(this)
+    }
+
+    async fn connect(&self, database: &str) -> anyhow::Result<PgConnection> {
+        Ok(format!(
+            "postgres://postgres@{}/{database}",
+            self.harness.local_addr()
+        )
+        .parse::<sqlx::postgres::PgConnectOptions>()?
+        .connect()
+        .await?)
+    }
+
+    /// The URL the services use: through their proxy, their connections named
+    /// `application_name`.
+    pub(crate) fn service_url(&self, application_name: &str) -> String {
+        format!(
+            "postgres://postgres@{}/{DATABASE}?application_name={application_name}",
+            self.services.local_addr()
+        )
+    }
+
+    /// The URL the harness uses.
+    pub(crate) fn harness_url(&self) -> String {
+        format!(
+            "postgres://postgres@{}/{DATABASE}",
+            self.harness.local_addr()
+        )
+    }
+
+    /// The database's name, as `pg_stat_activity` shows it.
+    pub(crate) fn database(&self) -> &'static str {
+        DATABASE
+    }
+
+    /// Connections cut after their `COMMIT` so far.
+    pub(crate) fn cuts(&self) -> u64 {
+        self.services.cuts()
+    }
+
+    /// Stops cutting connections (the calm part of the run).
+    pub(crate) fn calm(&self) {
+        self.services.set_cut_probability(0.0);
+    }
+
+    /// Adds a streaming standby, through a proxy, and waits until it streams (and, with
+    /// synchronous replication, until the primary counts it as its synchronous standby).
+    pub(crate) async fn add_standby(&mut self, replication: Replication) -> anyhow::Result<()> {
+        let proxy = PgProxy::start(self.primary.address(), 0.0, 0).await?;
+        let standby = Cluster::standby_of(proxy.local_addr(), &self.root, "standby").await?;
+        standby.start().await.context("start the standby")?;
+        self.replication = Some(proxy);
+        self.standby = Some(standby);
+        let mut admin = self.connect("postgres").await?;
+        let wanted = match replication {
+            Replication::Synchronous => {
+                sqlx::query(&format!(
+                    "ALTER SYSTEM SET synchronous_standby_names = '{}'",
+                    super::cluster::STANDBY_NAME
+                ))
+                .execute(&mut admin)
+                .await?;
+                sqlx::query("SELECT pg_reload_conf()")
+                    .execute(&mut admin)
+                    .await?;
+                "sync"
+            }
+            Replication::Asynchronous | Replication::None => "async",
+        };
+        let started = Instant::now();
+        loop {
+            let state: Option<String> = sqlx::query_scalar(
+                "SELECT sync_state FROM pg_stat_replication WHERE state = 'streaming'",
+            )
+            .fetch_optional(&mut admin)
+            .await?;
+            if state.as_deref() == Some(wanted) {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                started.elapsed() < STANDBY_WAIT,
+                "the standby is not streaming as {wanted} after {STANDBY_WAIT:?} (state {state:?})"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Kills the server (`-m immediate`), waits `down`, and starts it again: crash recovery.
+    pub(crate) async fn crash_and_restart(&self, down: Duration) -> anyhow::Result<()> {
+        self.primary.crash().await?;
+        tokio::time::sleep(down).await;
+        self.primary.start().await
+    }
+
+    /// Stalls the replication stream (the negative control's way to make the loss certain).
+    pub(crate) fn stall_replication(&self) {
+        if let Some(proxy) = &self.replication {
+            proxy.set_paused(true);
+        }
+    }
+
+    /// Kills the primary, promotes the standby and points both proxies at it.
+    pub(crate) async fn fail_over(&mut self) -> anyhow::Result<()> {
+        let standby = self
+            .standby
+            .take()
+            .context("a failover needs a standby (--failover)")?;
+        self.primary.crash().await?;
+        standby.promote().await.context("promote the standby")?;
+        self.services.set_upstream(standby.address());
+        self.harness.set_upstream(standby.address());
+        let old = std::mem::replace(&mut self.primary, standby);
+        // The old primary stays down: it is gone, as a failed machine would be.
+        old.destroy().await;
+        Ok(())
+    }
+
+    /// Stops every server and deletes the clusters (or keeps them, stopped, for inspection).
+    pub(crate) async fn finish(self, keep: bool) {
+        if keep {
+            let _ = self.primary.crash().await;
+            if let Some(standby) = &self.standby {
+                let _ = standby.crash().await;
+            }
+            eprintln!(
+                "chaos: the run's PostgreSQL clusters are kept in {}",
+                self.root.display()
+            );
+            return;
+        }
+        self.primary.destroy().await;
+        if let Some(standby) = self.standby {
+            standby.destroy().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
