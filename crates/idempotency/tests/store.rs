@@ -743,9 +743,8 @@ async fn begin_optimistic_runs_a_request_in_one_transaction(pool: PgPool) {
     assert_eq!(store.count_unfinished().await.unwrap(), 1);
 }
 
-#[sqlx::test(migrations = false)]
-async fn a_key_being_inserted_is_in_flight_once_the_lock_timeout_runs_out(pool: PgPool) {
-    let (store, _) = setup(&pool).await;
+/// A store whose connections wait at most 100 ms for a row lock.
+async fn impatient_store(pool: &PgPool) -> Store {
     let options = pool
         .connect_options()
         .as_ref()
@@ -756,7 +755,13 @@ async fn a_key_being_inserted_is_in_flight_once_the_lock_timeout_runs_out(pool: 
         .connect_with(options)
         .await
         .unwrap();
-    let impatient = Store::new(impatient_pool, Arc::new(idempotency::DatabaseClock), TTL).unwrap();
+    Store::new(impatient_pool, Arc::new(idempotency::DatabaseClock), TTL).unwrap()
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_key_being_inserted_is_in_flight_once_the_lock_timeout_runs_out(pool: PgPool) {
+    let (store, _) = setup(&pool).await;
+    let impatient = impatient_store(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
     let first = new_phase(
         store
@@ -790,17 +795,7 @@ async fn a_finished_key_whose_row_is_being_written_still_replays_after_the_lock_
     pool: PgPool,
 ) {
     let (store, _) = setup(&pool).await;
-    let options = pool
-        .connect_options()
-        .as_ref()
-        .clone()
-        .options([("lock_timeout", "100ms")]);
-    let impatient_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(options)
-        .await
-        .unwrap();
-    let impatient = Store::new(impatient_pool, Arc::new(idempotency::DatabaseClock), TTL).unwrap();
+    let impatient = impatient_store(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
     let first = new_phase(
         store

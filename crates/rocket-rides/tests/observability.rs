@@ -39,17 +39,14 @@ async fn every_answer_carries_a_request_id_taken_from_the_request_or_generated(p
     assert!(idempotency::Uuid::parse_str(id).is_ok());
 }
 
-#[sqlx::test(migrations = false)]
-async fn json_logs_are_one_object_per_line_and_every_line_of_a_request_names_it(pool: PgPool) {
-    let app = TestApp::start(pool).await;
-    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
-    // A real `serve` process whose gateway refuses its secret key: the booking, which runs in a
-    // task of its own, logs an error in the request's span.
+type LogLines = tokio::io::Lines<BufReader<tokio::process::ChildStderr>>;
+
+/// A real `serve` process with JSON logs at `info`: the child, its log lines, the address it
+/// serves on, and what it logged before saying so.
+async fn serve(env: &[(&str, &str)]) -> (tokio::process::Child, LogLines, String, Vec<Value>) {
     let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
         .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
-        .env("DATABASE_URL", common::url_of(&app.pool).await)
-        .env("STRIPE_API_BASE", app.state.stripe.base())
-        .env("STRIPE_API_KEY", "not-a-secret-key")
+        .envs(env.iter().copied())
         .env("RUST_LOG", "info")
         .stderr(Stdio::piped())
         .kill_on_drop(true)
@@ -69,6 +66,22 @@ async fn json_logs_are_one_object_per_line_and_every_line_of_a_request_names_it(
         }
         logged.push(event);
     };
+    (serve, lines, address, logged)
+}
+
+#[sqlx::test(migrations = false)]
+async fn json_logs_are_one_object_per_line_and_every_line_of_a_request_names_it(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // A real `serve` process whose gateway refuses its secret key: the booking, which runs in a
+    // task of its own, logs an error in the request's span.
+    let database = common::url_of(&app.pool).await;
+    let (mut serve, mut lines, address, mut logged) = serve(&[
+        ("DATABASE_URL", &database),
+        ("STRIPE_API_BASE", app.state.stripe.base()),
+        ("STRIPE_API_KEY", "not-a-secret-key"),
+    ])
+    .await;
 
     let reply = app
         .http
@@ -122,27 +135,11 @@ async fn serve_starts_without_its_database_and_is_ready_once_the_database_answer
         1,
     );
     assert_ne!(unreachable, database, "the test database is on 127.0.0.1");
-    let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
-        .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
-        .env("DATABASE_URL", &unreachable)
-        .env("STRIPE_API_BASE", app.state.stripe.base())
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(serve.stderr.take().unwrap()).lines();
-    let address = loop {
-        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-            .await
-            .expect("serve logs within 30 s")
-            .unwrap()
-            .expect("serve keeps running without its database");
-        let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
-        if event["fields"]["message"] == "serving" {
-            break event["fields"]["address"].as_str().unwrap().to_owned();
-        }
-    };
+    let (mut serve, _lines, address, _) = serve(&[
+        ("DATABASE_URL", &unreachable),
+        ("STRIPE_API_BASE", app.state.stripe.base()),
+    ])
+    .await;
     let ready = |http: reqwest::Client, address: String| async move {
         http.get(format!("http://{address}/readyz"))
             .send()

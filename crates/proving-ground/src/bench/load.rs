@@ -62,6 +62,20 @@ pub(crate) struct Outcome {
     pub(crate) storm_violations: Vec<String>,
 }
 
+impl Outcome {
+    fn empty() -> Self {
+        Self {
+            sent: 0,
+            measured: 0,
+            measured_for: Duration::ZERO,
+            latency: histogram(),
+            answers: BTreeMap::new(),
+            storm_keys: Vec::new(),
+            storm_violations: Vec::new(),
+        }
+    }
+}
+
 /// Where and as whom the load is sent.
 #[derive(Debug, Clone)]
 pub(crate) struct Target {
@@ -188,15 +202,7 @@ pub(crate) async fn run(
             (sent, measured, latency, answers)
         }));
     }
-    let mut outcome = Outcome {
-        sent: 0,
-        measured: 0,
-        measured_for: Duration::ZERO,
-        latency: histogram(),
-        answers: BTreeMap::new(),
-        storm_keys: Vec::new(),
-        storm_violations: Vec::new(),
-    };
+    let mut outcome = Outcome::empty();
     for client in clients {
         let (sent, measured, latency, answers) = client.await?;
         outcome.sent += sent;
@@ -237,15 +243,7 @@ async fn storm(warmup: Duration, duration: Duration, target: &Target) -> anyhow:
     let http = client(STORM_SIZE)?;
     let start = Instant::now();
     let (measure_from, end) = (start + warmup, start + warmup + duration);
-    let mut outcome = Outcome {
-        sent: 0,
-        measured: 0,
-        measured_for: Duration::ZERO,
-        latency: histogram(),
-        answers: BTreeMap::new(),
-        storm_keys: Vec::new(),
-        storm_violations: Vec::new(),
-    };
+    let mut outcome = Outcome::empty();
     let mut round = 0u64;
     while Instant::now() < end {
         let key = format!("{}-{round}", target.tag);

@@ -211,7 +211,7 @@ where
         let code = i32::from_be_bytes([message[4], message[5], message[6], message[7]]);
         match code {
             SSL_REQUEST | GSSENC_REQUEST => continue,
-            CANCEL_REQUEST => return copy(from, to, shared).await,
+            CANCEL_REQUEST => return copy(from, to, shared, None).await,
             _ => break,
         }
     }
@@ -255,21 +255,17 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        unpaused(shared).await;
-        let n = from.read(&mut buf).await?;
-        if n == 0 {
-            to.shutdown().await?;
-            return Ok(());
-        }
-        if !muted.load(Ordering::SeqCst) {
-            to.write_all(&buf[..n]).await?;
-        }
-    }
+    copy(from, to, shared, Some(muted)).await
 }
 
-async fn copy<R, W>(from: &mut R, to: &mut W, shared: &Shared) -> Result<(), Stop>
+/// Copies what comes until the end of the stream, holding while paused, dropping it while
+/// `muted` is set.
+async fn copy<R, W>(
+    from: &mut R,
+    to: &mut W,
+    shared: &Shared,
+    muted: Option<&AtomicBool>,
+) -> Result<(), Stop>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -282,7 +278,9 @@ where
             to.shutdown().await?;
             return Ok(());
         }
-        to.write_all(&buf[..n]).await?;
+        if !muted.is_some_and(|m| m.load(Ordering::SeqCst)) {
+            to.write_all(&buf[..n]).await?;
+        }
     }
 }
 
