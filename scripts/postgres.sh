@@ -124,9 +124,15 @@ new_enough() {
 
 # --server-binaries: the caller also runs servers of its own (the chaos harness makes, crashes
 # and replicates clusters), so the server binaries must be installed whichever server is used.
-if [[ ${1:-} == --server-binaries ]] && [[ -z $(newest_bindir) ]]; then
-    apt_install postgresql postgresql-client
+if [[ ${1:-} == --server-binaries ]]; then
+    bindir_major() { local d; d=$(newest_bindir); d=${d%/bin}; printf '%s\n' "${d##*/}"; }
+    if [[ -z $(newest_bindir) ]]; then
+        apt_install postgresql postgresql-client
+    fi
     [[ -n $(newest_bindir) ]] || die "installed postgresql but found no initdb/pg_ctl under /usr/lib/postgresql/*/bin"
+    major=$(bindir_major)
+    [[ $major =~ ^[0-9]+$ ]] && ((major >= 15)) ||
+        die "the newest PostgreSQL server binaries here are version $major; the migrations need 15 or later (install postgresql-15 or newer, e.g. from apt.postgresql.org)"
 fi
 
 # ------------------------------------------------- 1. existing DATABASE_URL

@@ -276,7 +276,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             crate::config::validate_worker(&worker, &lease).map_err(anyhow::Error::msg)?;
             let connections = worker.completer_concurrency + 2;
-            let pool = connect_serving(&db, connections).await?;
+            // A worker that runs once has nothing to wait for: no database, no run.
+            let pool = if once {
+                connect(&db, connections).await?
+            } else {
+                connect_serving(&db, connections).await?
+            };
             let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
             if once {
                 crate::worker::run_once(&state, &worker).await?;

@@ -20,7 +20,8 @@ pub async fn connect(database_url: &str, max_connections: u32) -> Result<PgPool,
 /// A pool for a long-running process (`serve`, `worker`): it starts even when the database is
 /// down, and connects as it is used. A process that exited whenever PostgreSQL restarts would
 /// fail together with it, again and again; this one keeps serving (`/readyz` answers 503, requests
-/// that need the database fail) and recovers by itself. The URL is still checked at once, and a
+/// that need the database fail) and recovers by itself. The URL is still checked at once, a
+/// server that answers with a refusal (credentials, a missing database) fails the start, and a
 /// database that does not answer at start is logged.
 pub async fn connect_serving(
     database_url: &str,
@@ -31,11 +32,15 @@ pub async fn connect_serving(
         .max_connections(max_connections)
         .acquire_timeout(ACQUIRE_TIMEOUT)
         .connect_lazy_with(options);
-    if let Err(e) = pool.acquire().await {
-        tracing::warn!(
+    match pool.acquire().await {
+        Ok(_) => {}
+        // The server answered and refused (a wrong password, a database that does not exist):
+        // that will not mend by waiting.
+        Err(e @ sqlx::Error::Database(_)) => return Err(e),
+        Err(e) => tracing::warn!(
             error = %e,
             "the database does not answer; starting anyway, and connecting once it does"
-        );
+        ),
     }
     Ok(pool)
 }

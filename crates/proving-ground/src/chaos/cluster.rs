@@ -17,14 +17,20 @@ use tokio::process::Command;
 /// How long `pg_ctl` may take to start, stop or promote.
 const PG_CTL_WAIT_SECS: &str = "60";
 
-/// One cluster: its data directory, port and log.
+/// One cluster: its data directory, port and log. Dropping it stops its server (a postmaster
+/// started by `pg_ctl` is not this process's child and would outlive it).
 #[derive(Debug)]
 pub(crate) struct Cluster {
     bin: PathBuf,
     data: PathBuf,
     port: u16,
     log: PathBuf,
+    /// Stopped for good (destroyed, or kept stopped for inspection): nothing left to stop.
+    done: bool,
 }
+
+/// The oldest server the migrations run on.
+const MIN_MAJOR_VERSION: u32 = 15;
 
 /// How a cluster confirms its commits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,16 +85,19 @@ impl Cluster {
     ) -> anyhow::Result<Self> {
         let cluster = Self::at(dir, name)?;
         prepare_dir(&cluster.data)?;
-        let port = primary_address.port().to_string();
+        // In clear (the proxy reads the protocol), and with a fast checkpoint: a spread one
+        // waits for every dirty buffer, about a minute and a half after CREATE DATABASE.
+        let connection = format!(
+            "host=127.0.0.1 port={} user=postgres sslmode=disable gssencmode=disable",
+            primary_address.port()
+        );
         run(
             &cluster.bin.join("pg_basebackup"),
             &[
-                "-h".as_ref(),
-                "127.0.0.1".as_ref(),
-                "-p".as_ref(),
-                port.as_ref(),
-                "-U".as_ref(),
-                "postgres".as_ref(),
+                "-d".as_ref(),
+                connection.as_ref(),
+                "-c".as_ref(),
+                "fast".as_ref(),
                 "-D".as_ref(),
                 cluster.data.as_os_str(),
                 "-X".as_ref(),
@@ -100,7 +109,8 @@ impl Cluster {
         .await?;
         cluster.append_conf(&format!(
             "port = {port}\nprimary_conninfo = 'host=127.0.0.1 port={primary} user=postgres \
-             application_name={STANDBY_NAME}'\nhot_standby = on\n\
+             application_name={STANDBY_NAME} sslmode=disable gssencmode=disable'\n\
+             hot_standby = on\n\
              synchronous_standby_names = ''\n",
             port = cluster.port,
             primary = primary_address.port()
@@ -109,13 +119,15 @@ impl Cluster {
     }
 
     fn at(dir: &Path, name: &str) -> anyhow::Result<Self> {
+        let bin = server_binaries()?;
         let root = dir.join(name);
-        std::fs::create_dir_all(&root).with_context(|| format!("create {}", root.display()))?;
+        create_reachable_dir(&root)?;
         Ok(Self {
-            bin: server_binaries()?,
+            bin,
             data: root.join("data"),
             port: crate::local::free_port()?,
             log: root.join("server.log"),
+            done: false,
         })
     }
 
@@ -154,11 +166,18 @@ impl Cluster {
     }
 
     /// Stops the server, if it runs, and deletes its directory.
-    pub(crate) async fn destroy(self) {
+    pub(crate) async fn destroy(mut self) {
         let _ = self.pg_ctl(&["stop", "-m", "immediate"]).await;
         if let Some(root) = self.data.parent() {
             let _ = std::fs::remove_dir_all(root);
         }
+        self.done = true;
+    }
+
+    /// Stops the server, if it runs, and keeps its directory for inspection.
+    pub(crate) async fn keep(mut self) {
+        let _ = self.pg_ctl(&["stop", "-m", "immediate"]).await;
+        self.done = true;
     }
 
     async fn pg_ctl(&self, args: &[&str]) -> anyhow::Result<()> {
@@ -170,7 +189,65 @@ impl Cluster {
     }
 }
 
-/// The directory of the installed server binaries.
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // An error left the run early: the server must not outlive it. Blocking, briefly: drop
+        // cannot await.
+        let data = self.data.to_string_lossy().into_owned();
+        let pg_ctl = self.bin.join("pg_ctl");
+        let mut command = if is_root() {
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(&pg_ctl);
+            c
+        } else {
+            std::process::Command::new(&pg_ctl)
+        };
+        let _ = command
+            .args(["-D", &data, "-m", "immediate", "stop"])
+            .current_dir("/")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// Creates `dir` (and its parents) so that the `postgres` user can reach into it whatever the
+/// umask: mode 0755 on every directory this creates.
+pub(crate) fn create_reachable_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut missing = Vec::new();
+    let mut at = Some(dir);
+    while let Some(path) = at.filter(|p| !p.exists()) {
+        missing.push(path.to_owned());
+        at = path.parent();
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    for path in missing {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+    }
+    Ok(())
+}
+
+/// The major version of the server binaries in `bin`, from `postgres --version`.
+fn major_version(bin: &Path) -> Option<u32> {
+    let out = std::process::Command::new(bin.join("postgres"))
+        .arg("--version")
+        .output()
+        .ok()?;
+    // "postgres (PostgreSQL) 15.10 (Debian …)"
+    let text = String::from_utf8_lossy(&out.stdout);
+    let version = text.split(") ").nth(1)?;
+    version
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The directory of the installed server binaries, 15 or later.
 fn server_binaries() -> anyhow::Result<PathBuf> {
     let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .map(|dir| dir.flatten().map(|e| e.path().join("bin")).collect())
@@ -193,26 +270,46 @@ fn server_binaries() -> anyhow::Result<PathBuf> {
             candidates.push(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
         }
     }
-    candidates
+    let bin = candidates
         .into_iter()
         .find(|bin| bin.join("initdb").exists() && bin.join("pg_ctl").exists())
         .context(
             "no PostgreSQL server binaries (initdb, pg_ctl) under /usr/lib/postgresql/*/bin or \
-             pg_config --bindir: run scripts/postgres.sh, which installs them",
-        )
+             pg_config --bindir: run scripts/postgres.sh --server-binaries, which installs them",
+        )?;
+    match major_version(&bin) {
+        Some(major) if major >= MIN_MAJOR_VERSION => Ok(bin),
+        found => anyhow::bail!(
+            "the PostgreSQL server binaries in {} are version {found:?}; the migrations need \
+             {MIN_MAJOR_VERSION} or later",
+            bin.display()
+        ),
+    }
+}
+
+/// Where this user's runs keep their clusters: `/var/tmp/rocket-rides-chaos-<uid>`, a directory
+/// the `postgres` user can reach, of this user's own.
+pub(crate) fn clusters_dir() -> PathBuf {
+    PathBuf::from(format!(
+        "/var/tmp/rocket-rides-chaos-{}",
+        uid().unwrap_or(0)
+    ))
+}
+
+fn uid() -> Option<u32> {
+    // The effective user of this process, as the kernel reports it.
+    std::fs::read_to_string("/proc/self/status")
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("Uid:"))?
+        .split_whitespace()
+        .nth(2)?
+        .parse()
+        .ok()
 }
 
 fn is_root() -> bool {
-    // The effective user of this process, as the kernel reports it.
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find(|l| l.starts_with("Uid:"))
-                .and_then(|l| l.split_whitespace().nth(2).map(|uid| uid == "0"))
-        })
-        .unwrap_or(false)
+    uid() == Some(0)
 }
 
 /// Creates `data` empty, owned by the user the server runs as, mode 0700.

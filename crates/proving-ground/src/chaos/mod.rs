@@ -211,23 +211,16 @@ const PG_DOWN: Duration = Duration::from_secs(1);
 const REPLICATION_STALL: Duration = Duration::from_secs(2);
 /// How long setting up the run's PostgreSQL (a cluster, a standby) may take.
 const SETUP_LIMIT: Duration = Duration::from_secs(120);
-/// Where the run's PostgreSQL clusters live (a directory the `postgres` user can reach).
-const CLUSTERS_DIR: &str = "/var/tmp/rocket-rides-chaos";
 
-/// The faults after which a 500 is an honest answer: a crash, or the database failing under a
-/// request.
-const FAULTS_THAT_ANSWER_500: &[&str] = &[
-    "db_cut_after_commit",
-    "pg_crash_restart",
-    "pg_failover",
-    "crash_after_ride_created",
-    "crash_after_new_generation",
-    "crash_after_gateway_charge",
-    "crash_after_finished",
-    "crash_after_receipt_effect",
-    "pg_terminate",
-    "pg_terminate_active",
-];
+/// The database faults after which one request may honestly answer 500: its backend was
+/// terminated, or its commit cut from its answer. (A crashed process answers nothing; while
+/// PostgreSQL itself is away, its outage seconds explain the 500s.)
+const FAULTS_THAT_ANSWER_500: &[&str] =
+    &["db_cut_after_commit", "pg_terminate", "pg_terminate_active"];
+
+/// How long after PostgreSQL is back its outage still explains 500s: connections broken by the
+/// outage are found broken as they are next used.
+const OUTAGE_GRACE_SECS: u32 = 2;
 
 /// The `application_name` of the services' database connections.
 const SERVICE_APPLICATION: &str = "rocket-rides";
@@ -246,6 +239,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     let mut rng = StdRng::seed_from_u64(seed);
     let on = |family| !args.no.contains(&family);
     let started_at = time::OffsetDateTime::now_utc();
+    anyhow::ensure!(
+        args.failover || !args.without.contains(&Sabotage::SyncReplication),
+        "--without sync-replication sabotages a failover: give --failover too"
+    );
+    // Checked before anything starts: a build without failpoints would ignore them.
+    let program = service_binary(args.service_bin.as_deref())?;
     // The process id too: two runs with one seed may start within the same second.
     let run_name = format!(
         "chaos-{}-{seed}-{}",
@@ -295,7 +294,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     let mut postgres = tokio::time::timeout(
         SETUP_LIMIT,
         postgres::Postgres::start(
-            &PathBuf::from(CLUSTERS_DIR).join(&run_name),
+            &cluster::clusters_dir().join(&run_name),
             cut_probability,
             rng.random(),
         ),
@@ -357,7 +356,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             delay_ms: 0,
             jitter_ms: 20,
             reset_probability: 0.03,
-            blackhole_probability: 0.005,
+            blackhole_probability: 0.008,
             response_reset_probability: 0.01,
         }
     } else {
@@ -406,15 +405,14 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             .context("the standby did not start streaming in time")??;
     }
 
-    // The API processes and the worker: this binary, with failpoints compiled in.
-    let program = service_binary(args.service_bin.as_deref())?;
+    // The API processes and the worker: the service's binary, with failpoints compiled in.
     // A new key generation is rare (a reconciliation that found nothing), so its point is
     // armed more often than the others.
     // The others are drawn often enough that a run of a thousand requests meets each of them
     // several times (every configured kind must be exercised).
-    let crash_spec = "after_ride_created=0.006,after_new_generation=0.05,\
-                      after_gateway_charge=0.008,after_finished=0.008,\
-                      after_receipt_effect=0.01";
+    let crash_spec = "after_ride_created=0.012,after_new_generation=0.05,\
+                      after_gateway_charge=0.025,after_finished=0.015,\
+                      after_receipt_effect=0.04";
     let mut env = vec![
         // Named, so that the database killer finds the services' connections among the others.
         (
@@ -602,16 +600,18 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     // noted: 500s then are its doing.
     let postgres = Arc::new(tokio::sync::Mutex::new(postgres));
     let outage: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+    // Set while the primary dies: the database killers hold still (see below).
+    let db_faults_held = Arc::new(AtomicBool::new(false));
     if on(FaultFamily::Database) || args.failover {
-        let (postgres, done, stop, recorder, outage) = (
+        let (postgres, done, stop, recorder, outage, held) = (
             postgres.clone(),
             done.clone(),
             stop.clone(),
             recorder.clone(),
             outage.clone(),
+            db_faults_held.clone(),
         );
         let (total, failover) = (args.requests, args.failover);
-        let stall = args.without.contains(&Sabotage::SyncReplication);
         background.spawn(async move {
             while !stop.load(Ordering::Relaxed) && done.load(Ordering::Relaxed) < total / 2 {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -620,8 +620,17 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 return;
             }
             let mut postgres = postgres.lock().await;
-            if failover && stall {
-                // Commits go on on the primary alone while its standby hears nothing.
+            if failover {
+                // A synchronous commit whose wait for the standby is cut short (its backend
+                // terminated, its client gone) stays committed on the primary alone, where
+                // another request can read it and answer with it: a property of PostgreSQL that
+                // synchronous replication does not close. The database faults hold still while
+                // the primary dies, so that the run tests what synchronous replication promises.
+                held.store(true, Ordering::SeqCst);
+                postgres.hold_cuts(true);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                // The stream stops: synchronous commits wait, asynchronous ones go on without
+                // the standby (the negative control's loss).
                 postgres.stall_replication();
                 tokio::time::sleep(REPLICATION_STALL).await;
             }
@@ -635,9 +644,11 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 )
             };
             recorder.fault(kind, 1);
+            postgres.hold_cuts(false);
+            held.store(false, Ordering::SeqCst);
             match result {
                 Ok(()) => {
-                    let to = recorder.second();
+                    let to = recorder.second() + OUTAGE_GRACE_SECS;
                     outage
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -679,18 +690,22 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         });
     }
     if on(FaultFamily::Database) {
-        let (pool, stop, recorder, database) = (
+        let (pool, stop, recorder, database, held) = (
             pool.clone(),
             stop.clone(),
             recorder.clone(),
             database.clone(),
+            db_faults_held.clone(),
         );
         let killer_rng = StdRng::seed_from_u64(rng.random());
         background.spawn(async move {
             let mut rng = killer_rng;
             while !stop.load(Ordering::Relaxed) {
                 tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
-                // One random connection of the service or the gateway, never the auditor's own.
+                if held.load(Ordering::SeqCst) {
+                    continue;
+                }
+                // One random connection of the services (idle or not), never the auditor's own.
                 let killed: Result<Option<bool>, _> = sqlx::query_scalar(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
                      WHERE datname = $1 AND application_name <> 'chaos-auditor'
@@ -709,17 +724,21 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     if on(FaultFamily::Database) {
         // Work in progress: a service backend running a statement or inside a transaction.
         // Looked for often, since such a backend is busy only for moments.
-        let (pool, stop, recorder, database) = (
+        let (pool, stop, recorder, database, held) = (
             pool.clone(),
             stop.clone(),
             recorder.clone(),
             database.clone(),
+            db_faults_held.clone(),
         );
         let mut rng = StdRng::seed_from_u64(rng.random());
         background.spawn(async move {
             let mut pause = Duration::from_millis(rng.random_range(300..900));
             while !stop.load(Ordering::Relaxed) {
                 tokio::time::sleep(pause).await;
+                if held.load(Ordering::SeqCst) {
+                    continue;
+                }
                 let killed: Result<Option<bool>, _> = sqlx::query_scalar(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
                      WHERE datname = $1 AND application_name = $2
@@ -942,12 +961,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     if args.failover {
         configured.push("pg_failover");
     }
-    let mut fault_500_seconds = recorder.fault_seconds(FAULTS_THAT_ANSWER_500);
-    fault_500_seconds.extend(outage.lock().unwrap_or_else(|e| e.into_inner()).iter());
+    let outage_seconds = outage.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let facts = audit::RunFacts {
         process_exits,
         refused_users: &refused_users,
-        fault_500_seconds: &fault_500_seconds,
+        db_fault_seconds: &recorder.fault_seconds(FAULTS_THAT_ANSWER_500),
+        outage_seconds: &outage_seconds,
         configured: &configured,
         injected: &recorder.fault_totals(),
     };

@@ -31,6 +31,7 @@ pub(crate) struct Postgres {
     services: PgProxy,
     harness: PgProxy,
     replication: Option<PgProxy>,
+    cut_probability: f64,
     root: PathBuf,
 }
 
@@ -55,6 +56,7 @@ impl Postgres {
             services,
             harness,
             replication: None,
+            cut_probability,
             root: root.to_owned(),
         };
         let mut admin = this.connect("postgres").await?;
@@ -103,8 +105,15 @@ impl Postgres {
     }
 
     /// Stops cutting connections (the calm part of the run).
-    pub(crate) fn calm(&self) {
+    pub(crate) fn calm(&mut self) {
+        self.cut_probability = 0.0;
         self.services.set_cut_probability(0.0);
+    }
+
+    /// Holds the cuts after `COMMIT` (`true`) or lets them go on (`false`).
+    pub(crate) fn hold_cuts(&self, hold: bool) {
+        let p = if hold { 0.0 } else { self.cut_probability };
+        self.services.set_cut_probability(p);
     }
 
     /// Adds a streaming standby, through a proxy, and waits until it streams (and, with
@@ -182,12 +191,12 @@ impl Postgres {
     /// Stops every server and deletes the clusters (or keeps them, stopped, for inspection).
     pub(crate) async fn finish(self, keep: bool) {
         if keep {
-            let _ = self.primary.crash().await;
-            if let Some(standby) = &self.standby {
-                let _ = standby.crash().await;
+            self.primary.keep().await;
+            if let Some(standby) = self.standby {
+                standby.keep().await;
             }
             eprintln!(
-                "chaos: the run's PostgreSQL clusters are kept in {}",
+                "chaos: the run's PostgreSQL clusters are kept, stopped, in {}",
                 self.root.display()
             );
             return;

@@ -85,14 +85,15 @@ impl Recorder {
             .unexpected_exits
     }
 
-    /// The seconds at which a fault of one of `kinds` was injected, in order.
+    /// The second of every fault of one of `kinds`, once per fault (an event of three faults
+    /// gives its second three times), in order.
     pub(crate) fn fault_seconds(&self, kinds: &[&str]) -> Vec<u32> {
         let events = self.events.lock().unwrap_or_else(|e| e.into_inner());
         let mut seconds: Vec<u32> = events
             .faults
             .iter()
             .filter(|(_, kind, _)| kinds.contains(&kind.as_str()))
-            .map(|(second, _, _)| *second)
+            .flat_map(|(second, _, count)| std::iter::repeat_n(*second, *count as usize))
             .collect();
         seconds.sort_unstable();
         seconds
