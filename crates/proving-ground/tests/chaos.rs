@@ -1,6 +1,6 @@
-//! The chaos harness's negative control: with the gateway key derived per attempt instead of
-//! from the key row, the same scenario must fail the audit with double charges. An auditor that
-//! cannot fail proves nothing.
+//! The chaos harness's negative controls: with one protection taken away (`--without`), the same
+//! scenario must fail the audit, on the checks that protection serves. An auditor that cannot fail
+//! proves nothing.
 
 use std::path::Path;
 use std::process::Command;
@@ -92,5 +92,51 @@ fn a_failover_without_synchronous_replication_loses_acknowledged_rides() {
         invariant(&report, "no_charge_without_ride")["passed"],
         false
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn taking_an_unknown_outcome_for_a_decline_leaves_charged_cards_told_declined() {
+    assert!(
+        std::env::var("DATABASE_URL").is_ok(),
+        "DATABASE_URL names the test server"
+    );
+    let dir = std::env::temp_dir().join(format!("chaos-unknown-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (status, report) = run_chaos(&dir, &["--without", "unknown-outcome"]);
+
+    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    assert_eq!(report["sabotage"][0], "unknown-outcome");
+    // A charge slower than the gateway timeout, or whose answer was cut, was made: its ride was
+    // declined all the same, so the charge belongs to no ride, and a good card was told 402.
+    let charges = invariant(&report, "no_charge_without_ride");
+    assert_eq!(charges["passed"], false, "{charges}");
+    let declines = invariant(&report, "declines_follow_the_card");
+    assert_eq!(declines["passed"], false, "{declines}");
+    // No ride was charged twice: the key, derived from the key row, still held.
+    assert_eq!(invariant(&report, "one_charge_per_key")["passed"], true);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_crash_of_postgresql_under_asynchronous_commits_loses_acknowledged_rides() {
+    assert!(
+        std::env::var("DATABASE_URL").is_ok(),
+        "DATABASE_URL names the test server"
+    );
+    let dir = std::env::temp_dir().join(format!("chaos-async-commit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (status, report) = run_chaos(&dir, &["--without", "durable-commit"]);
+
+    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    assert_eq!(
+        report["faults"]["pg_crash_restart"], 1,
+        "{}",
+        report["faults"]
+    );
+    // The last second before the crash was acknowledged and never written: 201s name rides that
+    // recovery did not bring back.
+    let acknowledged = invariant(&report, "acknowledged_201_is_paid");
+    assert_eq!(acknowledged["passed"], false, "{acknowledged}");
     let _ = std::fs::remove_dir_all(&dir);
 }

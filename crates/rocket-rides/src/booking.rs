@@ -401,6 +401,10 @@ async fn charge(
                 reconcile = true;
             }
             Ok(charge) => return settle(state, lease, &target, charge, Found::Created).await,
+            // The chaos harness's negative control: an unknown outcome is not a decline.
+            Err(ChargeError::Transient(why)) if state.failpoints.unknown_is_declined() => {
+                return declined(state, lease, target.ride_id, "processing_error", &why).await
+            }
             Err(e) => return refusal_or_error(state, lease, target.ride_id, e).await,
         }
     }

@@ -10,8 +10,11 @@
 //!   the whole process with that probability, with the point's exit code ([`exit_code`]), so the
 //!   harness can tell which crash it caused.
 //!
-//! `ROCKET_RIDES_SABOTAGE=fresh-gateway-key` makes the service call the gateway under a new key on
-//! every attempt instead of the key derived from the key row: the bug the harness must catch.
+//! `ROCKET_RIDES_SABOTAGE` names bugs the harness must catch, comma-separated:
+//! - `fresh-gateway-key`: the service calls the gateway under a new key on every attempt instead
+//!   of the key derived from the key row;
+//! - `unknown-is-declined`: a charge whose outcome is unknown (no answer in time, a connection cut
+//!   before the answer was whole, a 5xx) is taken as a decline, though the gateway may have charged.
 
 /// After the phase that claims the key and creates the ride has committed.
 pub const AFTER_RIDE_CREATED: &str = "after_ride_created";
@@ -42,6 +45,8 @@ pub const FAILPOINT_SEED_ENV: &str = "ROCKET_RIDES_FAILPOINT_SEED";
 pub const SABOTAGE_ENV: &str = "ROCKET_RIDES_SABOTAGE";
 /// The sabotage that derives a fresh gateway key per attempt.
 pub const SABOTAGE_FRESH_GATEWAY_KEY: &str = "fresh-gateway-key";
+/// The sabotage that takes a charge of unknown outcome for a decline.
+pub const SABOTAGE_UNKNOWN_IS_DECLINED: &str = "unknown-is-declined";
 
 /// The exit code of a process that crashed at `point` (81 and up, in the order of [`ALL`]).
 pub fn exit_code(point: &str) -> Option<i32> {
@@ -75,6 +80,7 @@ mod armed {
         crash: Arc<HashMap<&'static str, f64>>,
         rng: Arc<Mutex<StdRng>>,
         fresh_gateway_key: bool,
+        unknown_is_declined: bool,
     }
 
     impl Default for Failpoints {
@@ -84,6 +90,7 @@ mod armed {
                 crash: Default::default(),
                 rng: Arc::new(Mutex::new(StdRng::seed_from_u64(0))),
                 fresh_gateway_key: false,
+                unknown_is_declined: false,
             }
         }
     }
@@ -106,6 +113,7 @@ mod armed {
                 for name in sabotage.split(',').map(str::trim).filter(|s| !s.is_empty()) {
                     match name {
                         SABOTAGE_FRESH_GATEWAY_KEY => points.fresh_gateway_key = true,
+                        SABOTAGE_UNKNOWN_IS_DECLINED => points.unknown_is_declined = true,
                         other => return Err(format!("{SABOTAGE_ENV}: unknown sabotage {other:?}")),
                     }
                 }
@@ -144,6 +152,11 @@ mod armed {
         /// Whether the gateway key must be fresh per attempt (the negative control's bug).
         pub fn fresh_gateway_key(&self) -> bool {
             self.fresh_gateway_key
+        }
+
+        /// Whether a charge of unknown outcome is taken for a decline (a negative control's bug).
+        pub fn unknown_is_declined(&self) -> bool {
+            self.unknown_is_declined
         }
     }
 
@@ -222,6 +235,11 @@ mod disarmed {
 
         /// Never sabotaged.
         pub fn fresh_gateway_key(&self) -> bool {
+            false
+        }
+
+        /// Never sabotaged.
+        pub fn unknown_is_declined(&self) -> bool {
             false
         }
     }

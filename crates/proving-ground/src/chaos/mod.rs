@@ -64,6 +64,14 @@ pub enum Sabotage {
     /// With `--failover`: replicate asynchronously, and stall the replication stream before the
     /// primary dies, so that commits it acknowledged are lost with it.
     SyncReplication,
+    /// Take a charge whose outcome is unknown (no answer within the gateway timeout, a
+    /// connection cut before its answer was whole, a 5xx) for a decline: the request answers 402
+    /// though the gateway may have charged the card.
+    UnknownOutcome,
+    /// Commit asynchronously (`synchronous_commit = off` on the services' connections), and stop
+    /// the WAL writer for a second before PostgreSQL crashes, so that commits it acknowledged are
+    /// lost with it. Needs the crash: the database faults on, without `--failover`.
+    DurableCommit,
 }
 
 /// A fault family that can be switched off.
@@ -209,6 +217,8 @@ const DB_CUT_AFTER_COMMIT: f64 = 0.01;
 const PG_DOWN: Duration = Duration::from_secs(1);
 /// How long the negative control of `--failover` stalls replication before the primary dies.
 const REPLICATION_STALL: Duration = Duration::from_secs(2);
+/// How long the negative control of durable commits stops the WAL writer before the crash.
+const WAL_WRITER_STALL: Duration = Duration::from_secs(1);
 /// How long setting up the run's PostgreSQL (a cluster, a standby) may take.
 const SETUP_LIMIT: Duration = Duration::from_secs(120);
 
@@ -242,6 +252,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     anyhow::ensure!(
         args.failover || !args.without.contains(&Sabotage::SyncReplication),
         "--without sync-replication sabotages a failover: give --failover too"
+    );
+    let asynchronous_commit = args.without.contains(&Sabotage::DurableCommit);
+    anyhow::ensure!(
+        !asynchronous_commit || (on(FaultFamily::Database) && !args.failover),
+        "--without durable-commit shows what a crash of PostgreSQL loses: it needs the database \
+         faults on (no --no database) and no --failover"
     );
     // Checked before anything starts: a build without failpoints would ignore them.
     let program = service_binary(args.service_bin.as_deref())?;
@@ -413,12 +429,13 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     let crash_spec = "after_ride_created=0.012,after_new_generation=0.05,\
                       after_gateway_charge=0.025,after_finished=0.015,\
                       after_receipt_effect=0.04";
+    let mut service_url = postgres.service_url(SERVICE_APPLICATION);
+    if asynchronous_commit {
+        service_url.push_str("&options[synchronous_commit]=off");
+    }
     let mut env = vec![
         // Named, so that the database killer finds the services' connections among the others.
-        (
-            "DATABASE_URL".to_owned(),
-            postgres.service_url(SERVICE_APPLICATION),
-        ),
+        ("DATABASE_URL".to_owned(), service_url),
         (
             "STRIPE_API_BASE".to_owned(),
             format!("http://{}", gateway_proxy.local_addr()),
@@ -440,15 +457,23 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         ("RUST_LOG".to_owned(), "warn".to_owned()),
         ("NO_COLOR".to_owned(), "1".to_owned()),
     ];
-    for sabotage in &args.without {
-        match sabotage {
-            Sabotage::DerivedKey => env.push((
-                rocket_rides::failpoints::SABOTAGE_ENV.to_owned(),
-                rocket_rides::failpoints::SABOTAGE_FRESH_GATEWAY_KEY.to_owned(),
-            )),
-            // Applied to the worker's arguments below, and to the replication above.
-            Sabotage::Completer | Sabotage::SyncReplication => {}
-        }
+    let service_sabotage: Vec<&str> = args
+        .without
+        .iter()
+        .filter_map(|sabotage| match sabotage {
+            Sabotage::DerivedKey => Some(rocket_rides::failpoints::SABOTAGE_FRESH_GATEWAY_KEY),
+            Sabotage::UnknownOutcome => {
+                Some(rocket_rides::failpoints::SABOTAGE_UNKNOWN_IS_DECLINED)
+            }
+            // Applied to the worker's arguments below, and to the database above and below.
+            Sabotage::Completer | Sabotage::SyncReplication | Sabotage::DurableCommit => None,
+        })
+        .collect();
+    if !service_sabotage.is_empty() {
+        env.push((
+            rocket_rides::failpoints::SABOTAGE_ENV.to_owned(),
+            service_sabotage.join(","),
+        ));
     }
     let completer_grace = if args.without.contains(&Sabotage::Completer) {
         "1000h"
@@ -633,6 +658,15 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 // the standby (the negative control's loss).
                 postgres.stall_replication();
                 tokio::time::sleep(REPLICATION_STALL).await;
+            }
+            if asynchronous_commit {
+                // The negative control of durable commits: what the WAL writer has not written
+                // when the server dies is lost, and a second of it makes the loss certain.
+                if let Err(e) = postgres.stall_wal_writer().await {
+                    eprintln!("chaos: stalling the WAL writer failed: {e:#}");
+                    recorder.unexpected_exit();
+                }
+                tokio::time::sleep(WAL_WRITER_STALL).await;
             }
             let from = recorder.second();
             let (kind, result) = if failover {

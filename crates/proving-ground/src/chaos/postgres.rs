@@ -33,6 +33,8 @@ pub(crate) struct Postgres {
     replication: Option<PgProxy>,
     cut_probability: f64,
     root: PathBuf,
+    /// The WAL writer stopped by [`Postgres::stall_wal_writer`], killed at the crash.
+    stalled_wal_writer: Option<i32>,
 }
 
 impl Postgres {
@@ -58,6 +60,7 @@ impl Postgres {
             replication: None,
             cut_probability,
             root: root.to_owned(),
+            stalled_wal_writer: None,
         };
         let mut admin = this.connect("postgres").await?;
         sqlx::query(&format!("CREATE DATABASE {DATABASE}"))
@@ -159,10 +162,30 @@ impl Postgres {
     }
 
     /// Kills the server (`-m immediate`), waits `down`, and starts it again: crash recovery.
-    pub(crate) async fn crash_and_restart(&self, down: Duration) -> anyhow::Result<()> {
+    pub(crate) async fn crash_and_restart(&mut self, down: Duration) -> anyhow::Result<()> {
+        // A stopped process cannot take the shutdown's signal: it dies first, unwritten WAL and
+        // all (its death alone would make the server restart every backend).
+        if let Some(pid) = self.stalled_wal_writer.take() {
+            super::cluster::signal(pid, "KILL").await?;
+        }
         self.primary.crash().await?;
         tokio::time::sleep(down).await;
         self.primary.start().await
+    }
+
+    /// Stops the primary's WAL writer (SIGSTOP): asynchronous commits then stay in shared
+    /// memory, unwritten, until the server dies (the negative control of durable commits).
+    pub(crate) async fn stall_wal_writer(&mut self) -> anyhow::Result<()> {
+        let mut conn = self.connect(DATABASE).await?;
+        let pid: i32 =
+            sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")
+                .fetch_one(&mut conn)
+                .await
+                .context("find the WAL writer")?;
+        conn.close().await?;
+        super::cluster::signal(pid, "STOP").await?;
+        self.stalled_wal_writer = Some(pid);
+        Ok(())
     }
 
     /// Stalls the replication stream (the negative control's way to make the loss certain).
