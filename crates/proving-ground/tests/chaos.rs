@@ -8,8 +8,17 @@ use std::process::Command;
 use serde_json::Value;
 
 fn run_chaos(report_dir: &Path, extra: &[&str]) -> (std::process::ExitStatus, Value) {
+    run_chaos_with(report_dir, 150, extra)
+}
+
+fn run_chaos_with(
+    report_dir: &Path,
+    requests: u32,
+    extra: &[&str],
+) -> (std::process::ExitStatus, Value) {
     let status = Command::new(env!("CARGO_BIN_EXE_chaos"))
-        .args(["--requests", "150", "--concurrency", "16", "--seed", "7"])
+        .args(["--requests", &requests.to_string()])
+        .args(["--concurrency", "16", "--seed", "7"])
         .args(extra)
         .arg("--drop-database")
         .arg("--report-dir")
@@ -138,5 +147,37 @@ fn a_crash_of_postgresql_under_asynchronous_commits_loses_acknowledged_rides() {
     // recovery did not bring back.
     let acknowledged = invariant(&report, "acknowledged_201_is_paid");
     assert_eq!(acknowledged["passed"], false, "{acknowledged}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_holder_that_goes_on_after_losing_its_lease_is_caught() {
+    assert!(
+        std::env::var("DATABASE_URL").is_ok(),
+        "DATABASE_URL names the test server"
+    );
+    let dir = std::env::temp_dir().join(format!("chaos-lease-stop-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Enough requests for several gateway calls slower than the heartbeat, whose leases the
+    // harness takes over.
+    let (status, report) = run_chaos_with(&dir, 400, &["--without", "lease-stop"]);
+
+    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    assert!(
+        report["faults"]["lease_stolen"].as_u64().unwrap_or(0) > 0,
+        "{}",
+        report["faults"]
+    );
+    let stopped = invariant(&report, "lost_lease_stopped_its_holder");
+    assert_eq!(stopped["passed"], false, "{stopped}");
+    // The fencing token refused every write the holder went on to make: the money is right.
+    for check in [
+        "one_ride_per_key",
+        "one_charge_per_key",
+        "acknowledged_201_is_paid",
+        "no_charge_without_ride",
+    ] {
+        assert_eq!(invariant(&report, check)["passed"], true, "{check}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -151,6 +151,24 @@ fn crash_point(state: &AppState, point: &'static str) -> Result<(), BookingError
     Ok(())
 }
 
+/// The log target of a lease's life in a booking: every write about to be made under a lease (a
+/// phase, a gateway call, a release), at debug level, and every renewal that found the lease taken over, at
+/// warn level, each with the key and the fencing token. The chaos harness reads them to check
+/// that a holder whose renewal lost its lease wrote nothing after.
+pub const LEASE_LOG: &str = "rocket_rides::lease";
+
+/// Logs a write about to be made under `lease` (see [`LEASE_LOG`]): `phase`, `gateway`,
+/// `release`.
+pub(crate) fn writing(lease: &Lease<RidePoint>, write: &'static str) {
+    tracing::debug!(
+        target: LEASE_LOG,
+        key_id = lease.key_id(),
+        token = lease.token(),
+        write,
+        "writing under the lease"
+    );
+}
+
 /// What one step did.
 enum Step {
     /// A phase committed; run the next one.
@@ -245,6 +263,7 @@ async fn resume_started(
     })?;
     let user_id = lease.user_id();
     let started = Instant::now();
+    writing(lease, "phase");
     let mut phase = state.store.phase(lease, RidePoint::RideCreated).await?;
     let key_id = phase.key_id();
     insert_ride(phase.conn(), state, user_id, Some(key_id), &request).await?;
@@ -471,6 +490,7 @@ async fn next_generation(
     let now = state.store.now();
     let point = lease.recovery_point();
     let started = Instant::now();
+    writing(lease, "phase");
     let mut phase = state.store.phase(lease, point).await?;
     let generation: i32 = sqlx::query_scalar(
         "UPDATE rides SET charge_generation = charge_generation + 1,
@@ -564,6 +584,7 @@ async fn paid(
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let started = Instant::now();
+    writing(lease, "phase");
     let mut phase = state.store.final_phase(lease).await?;
     let adopted = found == Found::Adopted;
     let ride = charge_paid(phase.conn(), user_id, ride_id, &charge.id, adopted).await?;
@@ -583,6 +604,7 @@ async fn record_pending(
 ) -> Result<(), BookingError> {
     let user_id = lease.user_id();
     let started = Instant::now();
+    writing(lease, "phase");
     let mut phase = state.store.phase(lease, RidePoint::ChargePending).await?;
     sqlx::query(
         "UPDATE rides SET charge_id = $3, status = 'payment_pending', updated_at = now()
@@ -691,16 +713,34 @@ async fn with_heartbeat<T>(
     lease: &mut Lease<RidePoint>,
     call: impl std::future::Future<Output = T>,
 ) -> Result<T, BookingError> {
+    writing(lease, "gateway");
     tokio::pin!(call);
     let start = tokio::time::Instant::now() + state.heartbeat;
     let mut ticker = tokio::time::interval_at(start, state.heartbeat);
+    let mut renewing = true;
     loop {
         tokio::select! {
             outcome = &mut call => return Ok(outcome),
-            _ = ticker.tick() => {
-                state.store.renew(lease).await?;
-                tracing::debug!(key_id = lease.key_id(), "lease renewed during the gateway call");
-            }
+            _ = ticker.tick(), if renewing => match state.store.renew(lease).await {
+                Ok(()) => {
+                    tracing::debug!(key_id = lease.key_id(), "lease renewed during the gateway call");
+                }
+                Err(e @ idempotency::Error::LeaseLost { .. }) => {
+                    tracing::warn!(
+                        target: LEASE_LOG,
+                        key_id = lease.key_id(),
+                        token = lease.token(),
+                        "lease lost on renewal: the gateway call is abandoned, nothing more is written"
+                    );
+                    if state.failpoints.carry_on_after_lost_lease() {
+                        // The chaos harness's negative control: the holder goes on regardless.
+                        renewing = false;
+                        continue;
+                    }
+                    return Err(e.into());
+                }
+                Err(e) => return Err(e.into()),
+            },
         }
     }
 }
@@ -715,6 +755,7 @@ async fn declined(
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let started = Instant::now();
+    writing(lease, "phase");
     let mut phase = state.store.final_phase(lease).await?;
     // A charge recorded pending that then failed is not the ride's charge: it moved no money.
     sqlx::query(
@@ -777,6 +818,7 @@ async fn refused(
     );
     let user_id = lease.user_id();
     let started = Instant::now();
+    writing(lease, "phase");
     let mut phase = state.store.final_phase(lease).await?;
     sqlx::query(
         "UPDATE rides SET status = 'failed', updated_at = now() WHERE id = $1 AND user_id = $2",
@@ -826,6 +868,7 @@ async fn finish_recorded(
     let user_id = lease.user_id();
     let key_id = lease.key_id();
     let started = Instant::now();
+    writing(lease, "phase");
     let mut phase = state.store.final_phase(lease).await?;
     let ride = RideView::by_key(&mut *phase.conn(), user_id, key_id)
         .await

@@ -14,7 +14,9 @@
 //! - `fresh-gateway-key`: the service calls the gateway under a new key on every attempt instead
 //!   of the key derived from the key row;
 //! - `unknown-is-declined`: a charge whose outcome is unknown (no answer in time, a connection cut
-//!   before the answer was whole, a 5xx) is taken as a decline, though the gateway may have charged.
+//!   before the answer was whole, a 5xx) is taken as a decline, though the gateway may have charged;
+//! - `carry-on-after-lost-lease`: a renewal that finds the lease taken over mid-call is logged and
+//!   ignored, and the holder goes on with its call and its next write.
 
 /// After the phase that claims the key and creates the ride has committed.
 pub const AFTER_RIDE_CREATED: &str = "after_ride_created";
@@ -47,6 +49,8 @@ pub const SABOTAGE_ENV: &str = "ROCKET_RIDES_SABOTAGE";
 pub const SABOTAGE_FRESH_GATEWAY_KEY: &str = "fresh-gateway-key";
 /// The sabotage that takes a charge of unknown outcome for a decline.
 pub const SABOTAGE_UNKNOWN_IS_DECLINED: &str = "unknown-is-declined";
+/// The sabotage that lets a holder go on after a renewal lost its lease.
+pub const SABOTAGE_CARRY_ON_AFTER_LOST_LEASE: &str = "carry-on-after-lost-lease";
 
 /// The exit code of a process that crashed at `point` (81 and up, in the order of [`ALL`]).
 pub fn exit_code(point: &str) -> Option<i32> {
@@ -81,6 +85,7 @@ mod armed {
         rng: Arc<Mutex<StdRng>>,
         fresh_gateway_key: bool,
         unknown_is_declined: bool,
+        carry_on_after_lost_lease: bool,
     }
 
     impl Default for Failpoints {
@@ -91,6 +96,7 @@ mod armed {
                 rng: Arc::new(Mutex::new(StdRng::seed_from_u64(0))),
                 fresh_gateway_key: false,
                 unknown_is_declined: false,
+                carry_on_after_lost_lease: false,
             }
         }
     }
@@ -114,6 +120,9 @@ mod armed {
                     match name {
                         SABOTAGE_FRESH_GATEWAY_KEY => points.fresh_gateway_key = true,
                         SABOTAGE_UNKNOWN_IS_DECLINED => points.unknown_is_declined = true,
+                        SABOTAGE_CARRY_ON_AFTER_LOST_LEASE => {
+                            points.carry_on_after_lost_lease = true
+                        }
                         other => return Err(format!("{SABOTAGE_ENV}: unknown sabotage {other:?}")),
                     }
                 }
@@ -157,6 +166,11 @@ mod armed {
         /// Whether a charge of unknown outcome is taken for a decline (a negative control's bug).
         pub fn unknown_is_declined(&self) -> bool {
             self.unknown_is_declined
+        }
+
+        /// Whether a holder goes on after a renewal lost its lease (a negative control's bug).
+        pub fn carry_on_after_lost_lease(&self) -> bool {
+            self.carry_on_after_lost_lease
         }
     }
 
@@ -240,6 +254,11 @@ mod disarmed {
 
         /// Never sabotaged.
         pub fn unknown_is_declined(&self) -> bool {
+            false
+        }
+
+        /// Never sabotaged.
+        pub fn carry_on_after_lost_lease(&self) -> bool {
             false
         }
     }

@@ -9,7 +9,9 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use super::clients::{is_payment_refused, Answer, RequestLog};
+use super::leases::LostLease;
 use super::report::{InvariantResult, MAX_EXAMPLES};
+use super::LEASE_STOLEN;
 
 /// What the database held after the completer's final pass, before the late questions of
 /// [`super::clients::verify`] (which, as ordinary retries, would finish any key left behind).
@@ -131,6 +133,8 @@ pub(crate) struct RunFacts<'a> {
     pub configured: &'a [&'static str],
     /// How many faults of each kind were injected.
     pub injected: &'a BTreeMap<String, u64>,
+    /// The renewals that found their lease taken over, from the services' logs.
+    pub lost_leases: &'a [LostLease],
 }
 
 /// Runs every check. `pool` reaches the service's database, `gateway` the gateway's.
@@ -525,6 +529,27 @@ pub(crate) async fn audit(
         exercised.expect(count > 0, || format!("fault never exercised: {kind}"));
     }
 
+    let mut stopped = Check::new(
+        "lost_lease_stopped_its_holder",
+        "every lease renewal that found the lease taken over stopped its holder: no write \
+         (a phase, a gateway call, a release) followed under that key and fencing token; when \
+         the harness took leases over, at least one renewal found out",
+    );
+    for lost in facts.lost_leases {
+        stopped.expect(lost.writes_after.is_empty(), || {
+            format!(
+                "key {} token {} ({}): wrote {:?} after its renewal lost the lease",
+                lost.key_id, lost.token, lost.log, lost.writes_after
+            )
+        });
+    }
+    let stolen = facts.injected.get(LEASE_STOLEN).copied().unwrap_or(0);
+    if stolen > 0 && facts.lost_leases.is_empty() {
+        stopped.expect(false, || {
+            format!("{stolen} leases taken over, and no renewal found out: the check saw nothing")
+        });
+    }
+
     Ok([
         one_ride,
         one_charge,
@@ -539,6 +564,7 @@ pub(crate) async fn audit(
         declines,
         refusals,
         adopted,
+        stopped,
         exercised,
     ]
     .into_iter()

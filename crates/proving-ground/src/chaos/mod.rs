@@ -25,6 +25,7 @@ mod audit;
 mod clients;
 mod cluster;
 pub mod html;
+mod leases;
 mod pgproxy;
 mod postgres;
 mod processes;
@@ -68,6 +69,9 @@ pub enum Sabotage {
     /// connection cut before its answer was whole, a 5xx) for a decline: the request answers 402
     /// though the gateway may have charged the card.
     UnknownOutcome,
+    /// Let a holder whose lease renewal found the lease taken over go on with its gateway call
+    /// and its next write (which the fencing token then refuses).
+    LeaseStop,
     /// Commit asynchronously (`synchronous_commit = off` on the services' connections), and stop
     /// the WAL writer for a second before PostgreSQL crashes, so that commits it acknowledged are
     /// lost with it. Needs the crash: the database faults on, without `--failover`.
@@ -77,7 +81,9 @@ pub enum Sabotage {
 /// A fault family that can be switched off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum FaultFamily {
-    /// SIGKILL of API processes and of the worker.
+    /// SIGKILL of API processes and of the worker; API processes stopped (SIGSTOP) for longer
+    /// than their leases, so that their keys are taken over while they hold them; leases taken
+    /// over in the database while their holders wait on a slow gateway call.
     Kill,
     /// Process crashes at exact points of the phase machine (failpoints).
     Crash,
@@ -172,7 +178,10 @@ const FINAL_PASS_LIMIT: Duration = Duration::from_secs(120);
 /// Every fault kind each family injects, as counted in the report: a run with the family on must
 /// inject each at least once (`every_fault_exercised`).
 const FAULT_KINDS: [(FaultFamily, &[&str]); 5] = [
-    (FaultFamily::Kill, &["kill_api", "kill_worker"]),
+    (
+        FaultFamily::Kill,
+        &["kill_api", "kill_worker", "pause_api", LEASE_STOLEN],
+    ),
     (
         FaultFamily::Crash,
         &[
@@ -210,6 +219,19 @@ const FAULT_KINDS: [(FaultFamily, &[&str]); 5] = [
         ],
     ),
 ];
+
+/// How long a paused API process stays stopped: past its lease (8 s) and the completer's grace
+/// (9 s) after its keys' last attempt, so that the completer takes them over meanwhile.
+const PAUSE: Duration = Duration::from_secs(14);
+/// How often the harness looks for a renewed lease to take over.
+const STEAL_EVERY: Duration = Duration::from_secs(1);
+/// The fault kind of a lease taken over under its holder.
+const LEASE_STOLEN: &str = "lease_stolen";
+/// When an API process is paused, as shares of the requests done: once, well after PostgreSQL's
+/// crash or failover half-way. A frozen process holds its clients until their attempts time out,
+/// and the run's load falls meanwhile; the controls of the crash and of the failover need the
+/// load at that moment.
+const PAUSES_AT: [f64; 1] = [0.8];
 
 /// The probability that a service's `COMMIT` is cut off from its answer.
 const DB_CUT_AFTER_COMMIT: f64 = 0.01;
@@ -454,7 +476,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         ),
         ("SHUTDOWN_DEADLINE".to_owned(), "1s".to_owned()),
         ("DATABASE_MAX_CONNECTIONS".to_owned(), "10".to_owned()),
-        ("RUST_LOG".to_owned(), "warn".to_owned()),
+        // Warnings, and the lease's life in a booking, which the audit reads.
+        (
+            "RUST_LOG".to_owned(),
+            format!("warn,{}=debug", rocket_rides::booking::LEASE_LOG),
+        ),
+        ("LOG_FORMAT".to_owned(), "json".to_owned()),
         ("NO_COLOR".to_owned(), "1".to_owned()),
     ];
     let service_sabotage: Vec<&str> = args
@@ -464,6 +491,9 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             Sabotage::DerivedKey => Some(rocket_rides::failpoints::SABOTAGE_FRESH_GATEWAY_KEY),
             Sabotage::UnknownOutcome => {
                 Some(rocket_rides::failpoints::SABOTAGE_UNKNOWN_IS_DECLINED)
+            }
+            Sabotage::LeaseStop => {
+                Some(rocket_rides::failpoints::SABOTAGE_CARRY_ON_AFTER_LOST_LEASE)
             }
             // Applied to the worker's arguments below, and to the database above and below.
             Sabotage::Completer | Sabotage::SyncReplication | Sabotage::DurableCommit => None,
@@ -625,7 +655,8 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     // noted: 500s then are its doing.
     let postgres = Arc::new(tokio::sync::Mutex::new(postgres));
     let outage: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
-    // Set while the primary dies: the database killers hold still (see below).
+    // Set while the primary dies (or its WAL writer is stalled): the database killers and the
+    // lease stealer hold still (see below).
     let db_faults_held = Arc::new(AtomicBool::new(false));
     if on(FaultFamily::Database) || args.failover {
         let (postgres, done, stop, recorder, outage, held) = (
@@ -661,7 +692,10 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             }
             if asynchronous_commit {
                 // The negative control of durable commits: what the WAL writer has not written
-                // when the server dies is lost, and a second of it makes the loss certain.
+                // when the server dies is lost, and a second of it makes the loss certain. The
+                // harness's own writes hold still meanwhile: their synchronous commits would
+                // flush the others' WAL.
+                held.store(true, Ordering::SeqCst);
                 if let Err(e) = postgres.stall_wal_writer().await {
                     eprintln!("chaos: stalling the WAL writer failed: {e:#}");
                     recorder.unexpected_exit();
@@ -706,6 +740,67 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             while !stop.load(Ordering::Relaxed) {
                 tokio::time::sleep(Duration::from_millis(rng.random_range(1500..4000))).await;
                 apis[rng.random_range(0..apis.len())].kill();
+            }
+        });
+    }
+    if on(FaultFamily::Kill) {
+        // A pause, at a fixed point of the run: it outlives the lease and the completer's grace,
+        // so the keys the process held are taken over, and it finds out when it wakes.
+        let (apis, stop, done, mut rng) = (
+            apis.clone(),
+            stop.clone(),
+            done.clone(),
+            StdRng::seed_from_u64(rng.random()),
+        );
+        let total = args.requests;
+        background.spawn(async move {
+            for share in PAUSES_AT {
+                let at = (total as f64 * share) as u64;
+                while !stop.load(Ordering::Relaxed) && done.load(Ordering::Relaxed) < at {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                apis[rng.random_range(0..apis.len())].pause(PAUSE);
+            }
+        });
+    }
+    if on(FaultFamily::Kill) {
+        // Leases taken over under their holders' feet: a key whose lease was renewed is in a
+        // gateway call slower than the heartbeat period. Its token moves on in the database, as
+        // when another attempt takes the key over (and then dies, leaving it to the completer);
+        // the holder finds out at its next renewal, and must stop there.
+        let (pool, stop, recorder, held) = (
+            pool.clone(),
+            stop.clone(),
+            recorder.clone(),
+            db_faults_held.clone(),
+        );
+        let renewed_after = rocket_rides::config::parse_duration(LEASE_TTL)
+            .map_err(anyhow::Error::msg)?
+            + Duration::from_millis(500);
+        background.spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(STEAL_EVERY).await;
+                if held.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let stolen: Result<Option<i64>, _> = sqlx::query_scalar(
+                    "UPDATE idempotency_keys k SET lease_token = k.lease_token + 1
+                     FROM (SELECT user_id, id FROM idempotency_keys
+                           WHERE finished_at IS NULL AND locked_until > now()
+                             AND locked_until > last_run_at + $1 * interval '1 millisecond'
+                           ORDER BY random() LIMIT 1) renewed
+                     WHERE k.user_id = renewed.user_id AND k.id = renewed.id
+                     RETURNING k.id",
+                )
+                .bind(renewed_after.as_millis() as i64)
+                .fetch_optional(&pool)
+                .await;
+                if let Ok(Some(_)) = stolen {
+                    recorder.fault(LEASE_STOLEN, 1);
+                }
             }
         });
     }
@@ -996,6 +1091,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         configured.push("pg_failover");
     }
     let outage_seconds = outage.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let lost_leases = leases::read(&dir)?;
     let facts = audit::RunFacts {
         process_exits,
         refused_users: &refused_users,
@@ -1003,6 +1099,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         outage_seconds: &outage_seconds,
         configured: &configured,
         injected: &recorder.fault_totals(),
+        lost_leases: &lost_leases,
     };
     let invariants = audit::audit(&pool, &charges_pool, &logs, &before, &facts).await?;
     let passed = invariants.iter().all(|i| i.passed);

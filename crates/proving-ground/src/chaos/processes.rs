@@ -27,6 +27,7 @@ pub(crate) struct ProcessSpec {
 
 enum Control {
     Kill,
+    Pause(Duration),
     Stop,
 }
 
@@ -46,6 +47,13 @@ impl Supervised {
     /// SIGKILL now; it restarts after its delay.
     pub(crate) fn kill(&self) {
         let _ = self.control.send(Control::Kill);
+    }
+
+    /// SIGSTOP now, SIGCONT `how_long` later, as a long garbage collection or a frozen virtual
+    /// machine would: the process holds its leases and connections and does nothing. Kills
+    /// meanwhile are not carried out (one paused process is the fault, not a dead one).
+    pub(crate) fn pause(&self, how_long: Duration) {
+        let _ = self.control.send(Control::Pause(how_long));
     }
 
     /// SIGKILL and no restart.
@@ -98,32 +106,100 @@ async fn supervise(
                 return;
             }
         };
-        tokio::select! {
-            status = child.wait() => {
-                let code = status.ok().and_then(|s| s.code());
-                match code.and_then(rocket_rides::failpoints::point_of_exit_code) {
-                    Some(point) => recorder.fault(&format!("crash_{point}"), 1),
-                    None => {
-                        tracing::warn!(name = %spec.name, ?code, "process exited on its own");
-                        recorder.unexpected_exit();
+        let stop = loop {
+            tokio::select! {
+                status = child.wait() => {
+                    let code = status.ok().and_then(|s| s.code());
+                    match code.and_then(rocket_rides::failpoints::point_of_exit_code) {
+                        Some(point) => recorder.fault(&format!("crash_{point}"), 1),
+                        None => {
+                            tracing::warn!(name = %spec.name, ?code, "process exited on its own");
+                            recorder.unexpected_exit();
+                        }
                     }
+                    break false;
                 }
+                message = control.recv() => match message {
+                    Some(Control::Pause(how_long)) => {
+                        if !pause(&spec, &mut child, how_long, &mut control, &recorder).await {
+                            break true;
+                        }
+                    }
+                    Some(Control::Kill) => {
+                        let _ = child.start_kill();
+                        let _ = child.wait().await;
+                        recorder.fault(spec.kill_kind, 1);
+                        break false;
+                    }
+                    Some(Control::Stop) | None => break true,
+                },
             }
-            message = control.recv() => {
-                let _ = child.start_kill();
-                let _ = child.wait().await;
-                match message {
-                    Some(Control::Kill) => recorder.fault(spec.kill_kind, 1),
-                    Some(Control::Stop) | None => return,
-                }
-            }
+        };
+        if stop {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            return;
         }
         tokio::select! {
             _ = tokio::time::sleep(spec.restart_delay) => {}
             message = control.recv() => match message {
-                Some(Control::Kill) => {}
+                Some(Control::Kill | Control::Pause(_)) => {}
                 Some(Control::Stop) | None => return,
             },
         }
     }
+}
+
+/// Stops `child` for `how_long` and lets it go on; false when told to stop meanwhile. Kills and
+/// pauses that arrive meanwhile are dropped.
+async fn pause(
+    spec: &ProcessSpec,
+    child: &mut Child,
+    how_long: Duration,
+    control: &mut mpsc::UnboundedReceiver<Control>,
+    recorder: &Recorder,
+) -> bool {
+    let Some(pid) = child.id() else {
+        return true;
+    };
+    if let Err(e) = signal(pid, "STOP").await {
+        tracing::error!(name = %spec.name, error = %e, "cannot pause process");
+        recorder.unexpected_exit();
+        return true;
+    }
+    recorder.fault(PAUSE_KIND, 1);
+    let deadline = tokio::time::Instant::now() + how_long;
+    let go_on = loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => break true,
+            message = control.recv() => match message {
+                Some(Control::Kill | Control::Pause(_)) => {}
+                Some(Control::Stop) | None => break false,
+            },
+        }
+    };
+    if let Err(e) = signal(pid, "CONT").await {
+        tracing::error!(name = %spec.name, error = %e, "cannot resume process");
+        recorder.unexpected_exit();
+    }
+    go_on
+}
+
+/// The fault kind of a pause.
+pub(crate) const PAUSE_KIND: &str = "pause_api";
+
+/// Sends `signal` (`STOP`, `CONT`) to a process of ours.
+async fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
+    let status = Command::new("sh")
+        .args([
+            "-c",
+            &format!("kill -s {signal} \"$1\""),
+            "sh",
+            &pid.to_string(),
+        ])
+        .stdin(Stdio::null())
+        .status()
+        .await?;
+    anyhow::ensure!(status.success(), "kill -s {signal} {pid}: {status}");
+    Ok(())
 }

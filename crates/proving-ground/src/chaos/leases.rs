@@ -1,0 +1,128 @@
+//! What the services' logs say of their leases: every renewal that found its lease taken over,
+//! and every write made after it under the same key and fencing token by the same process. The
+//! services log both on `rocket_rides::booking::LEASE_LOG` (JSON lines, as the run configures
+//! them); a process writes its log in order, so "after" is "further down its file".
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::Context;
+use serde::Deserialize;
+
+/// A renewal that lost its lease, and what its holder wrote afterwards (nothing, if it stopped).
+#[derive(Debug)]
+pub(crate) struct LostLease {
+    /// The log it was found in (`api-1.log`).
+    pub log: String,
+    pub key_id: i64,
+    pub token: i64,
+    /// The writes (`phase`, `gateway`) logged under the lost key and token after the loss.
+    pub writes_after: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct Line {
+    target: String,
+    fields: Fields,
+}
+
+#[derive(Deserialize)]
+struct Fields {
+    message: String,
+    key_id: Option<i64>,
+    token: Option<i64>,
+    write: Option<String>,
+}
+
+/// Reads every process log (`*.log`) in the run's directory. Lines that are not the services'
+/// JSON (a panic's text, another target) are passed over.
+pub(crate) fn read(dir: &Path) -> anyhow::Result<Vec<LostLease>> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .with_context(|| format!("read {}", dir.display()))?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .filter(|name| name.ends_with(".log"))
+        .collect();
+    names.sort();
+    let mut lost = Vec::new();
+    for name in names {
+        let text = std::fs::read_to_string(dir.join(&name))
+            .with_context(|| format!("read {}", dir.join(&name).display()))?;
+        lost.extend(scan(&name, &text));
+    }
+    Ok(lost)
+}
+
+fn scan(log: &str, text: &str) -> Vec<LostLease> {
+    let mut lost: Vec<LostLease> = Vec::new();
+    let mut by_lease: HashMap<(i64, i64), usize> = HashMap::new();
+    for line in text.lines() {
+        let Ok(line) = serde_json::from_str::<Line>(line) else {
+            continue;
+        };
+        if line.target != rocket_rides::booking::LEASE_LOG {
+            continue;
+        }
+        let (Some(key_id), Some(token)) = (line.fields.key_id, line.fields.token) else {
+            continue;
+        };
+        match line.fields.write {
+            Some(write) => {
+                if let Some(&i) = by_lease.get(&(key_id, token)) {
+                    lost[i].writes_after.push(write);
+                }
+            }
+            None if line.fields.message.starts_with("lease lost on renewal") => {
+                by_lease.insert((key_id, token), lost.len());
+                lost.push(LostLease {
+                    log: log.to_owned(),
+                    key_id,
+                    token,
+                    writes_after: Vec::new(),
+                });
+            }
+            None => {}
+        }
+    }
+    lost
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(message: &str, key_id: i64, token: i64, write: Option<&str>) -> String {
+        let mut fields =
+            serde_json::json!({ "message": message, "key_id": key_id, "token": token });
+        if let Some(write) = write {
+            fields["write"] = write.into();
+        }
+        serde_json::json!({
+            "timestamp": "2026-11-30T17:00:00Z",
+            "level": "DEBUG",
+            "target": rocket_rides::booking::LEASE_LOG,
+            "fields": fields,
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn a_write_after_the_loss_under_the_same_lease_is_found_and_others_are_not() {
+        let text = [
+            line("writing under the lease", 7, 1, Some("gateway")),
+            line("lease lost on renewal: the call is abandoned", 7, 1, None),
+            "thread 'main' panicked: not json".to_owned(),
+            // Another holder of the key, with its own token: not the lost holder's write.
+            line("writing under the lease", 7, 2, Some("phase")),
+            line("lease lost on renewal: the call is abandoned", 9, 4, None),
+            line("writing under the lease", 9, 4, Some("phase")),
+        ]
+        .join("\n");
+        let lost = scan("api-0.log", &text);
+        assert_eq!(lost.len(), 2);
+        assert_eq!((lost[0].key_id, lost[0].token), (7, 1));
+        assert!(lost[0].writes_after.is_empty(), "{lost:?}");
+        assert_eq!((lost[1].key_id, lost[1].token), (9, 4));
+        assert_eq!(lost[1].writes_after, ["phase"]);
+        assert_eq!(lost[1].log, "api-0.log");
+    }
+}
