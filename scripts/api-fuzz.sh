@@ -40,8 +40,8 @@ SERVER_URL=$(scripts/postgres.sh) || die "scripts/postgres.sh found no PostgreSQ
 DATABASE_URL=$(database_url "$SERVER_URL" "$DB_NAME" fresh)
 export DATABASE_URL
 
-log "cargo build --locked --bin rocket-rides --bin fakestripe"
-cargo build --locked --bin rocket-rides --bin fakestripe
+log "cargo build --locked -p rocket-rides -p fakestripe --bin rocket-rides --bin fakestripe"
+cargo build --locked -p rocket-rides -p fakestripe --bin rocket-rides --bin fakestripe
 BIN=$TARGET_DIR/debug
 
 read -r GATEWAY_PORT ADMIN_PORT API_PORT < <(free_ports 3) || die "found no free ports"

@@ -24,7 +24,7 @@ DATABASE_URL="${server_url%/*}/$DEMO_DB"
 export DATABASE_URL
 
 echo "demo: building (the first build takes a few minutes)" >&2
-cargo build --locked --bin rocket-rides --bin fakestripe
+cargo build --locked -p rocket-rides -p fakestripe --bin rocket-rides --bin fakestripe
 bin=target/debug
 
 pids=()

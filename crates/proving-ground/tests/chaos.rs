@@ -181,3 +181,30 @@ fn a_holder_that_goes_on_after_losing_its_lease_is_caught() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_first_phase_split_in_two_transactions_leaves_keys_that_never_finish() {
+    assert!(
+        std::env::var("DATABASE_URL").is_ok(),
+        "DATABASE_URL names the test server"
+    );
+    let dir = std::env::temp_dir().join(format!("chaos-atomic-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Enough requests for several commits cut from their answers, and backends killed, between
+    // a key's commit and its ride's insert.
+    let (status, report) = run_chaos_with(&dir, 400, &["--without", "atomic-phase"]);
+
+    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    // A key that names a ride that does not exist can be resumed by nobody.
+    let finished = invariant(&report, "every_key_finished");
+    assert_eq!(finished["passed"], false, "{finished}");
+    // Nothing was charged twice or without its ride: the keys stopped before the gateway.
+    for check in [
+        "one_ride_per_key",
+        "one_charge_per_key",
+        "no_charge_without_ride",
+    ] {
+        assert_eq!(invariant(&report, check)["passed"], true, "{check}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -152,9 +152,10 @@ fn crash_point(state: &AppState, point: &'static str) -> Result<(), BookingError
 }
 
 /// The log target of a lease's life in a booking: every write about to be made under a lease (a
-/// phase, a gateway call, a release), at debug level, and every renewal that found the lease taken over, at
-/// warn level, each with the key and the fencing token. The chaos harness reads them to check
-/// that a holder whose renewal lost its lease wrote nothing after.
+/// phase, a gateway call, a release), at debug level, with `write` naming it; and every renewal
+/// that found the lease taken over, at warn level, with `lost_on_renewal = true`; each with the
+/// key and the fencing token. The chaos harness reads them to check that a holder whose renewal
+/// lost its lease wrote nothing after.
 pub const LEASE_LOG: &str = "rocket_rides::lease";
 
 /// Logs a write about to be made under `lease` (see [`LEASE_LOG`]): `phase`, `gateway`,
@@ -199,9 +200,17 @@ pub async fn create_ride(
 ) -> Result<(Lease<RidePoint>, ChargeTarget), BookingError> {
     let (user_id, key_id) = (first.lease().user_id(), first.lease().key_id());
     let started = Instant::now();
-    let (ride_id, first_attempt_at) =
-        insert_ride(first.conn(), state, user_id, Some(key_id), request).await?;
-    let lease = first.commit().await?;
+    let (lease, (ride_id, first_attempt_at)) = if state.failpoints.split_first_phase() {
+        // The chaos harness's negative control: the key's recovery point and its ride in two
+        // transactions, so that a failure between them leaves a key naming no ride.
+        let lease = first.commit().await?;
+        let mut conn = state.pool.acquire().await.map_err(db("acquire"))?;
+        let ride = insert_ride(&mut conn, state, user_id, Some(key_id), request).await?;
+        (lease, ride)
+    } else {
+        let ride = insert_ride(first.conn(), state, user_id, Some(key_id), request).await?;
+        (first.commit().await?, ride)
+    };
     state.metrics.phase("ride_created", started.elapsed());
     crash_point(state, crate::failpoints::AFTER_RIDE_CREATED)?;
     let target = ChargeTarget {
@@ -723,14 +732,16 @@ async fn with_heartbeat<T>(
             outcome = &mut call => return Ok(outcome),
             _ = ticker.tick(), if renewing => match state.store.renew(lease).await {
                 Ok(()) => {
-                    tracing::debug!(key_id = lease.key_id(), "lease renewed during the gateway call");
+                    tracing::debug!(key_id = lease.key_id(), "lease renewed during the call");
                 }
                 Err(e @ idempotency::Error::LeaseLost { .. }) => {
                     tracing::warn!(
                         target: LEASE_LOG,
                         key_id = lease.key_id(),
                         token = lease.token(),
-                        "lease lost on renewal: the gateway call is abandoned, nothing more is written"
+                        lost_on_renewal = true,
+                        "lease lost on renewal: the gateway call is abandoned, nothing more is \
+                         written"
                     );
                     if state.failpoints.carry_on_after_lost_lease() {
                         // The chaos harness's negative control: the holder goes on regardless.

@@ -35,8 +35,11 @@ pub async fn connect_serving(
     match pool.acquire().await {
         Ok(_) => {}
         // The server answered and refused (a wrong password, a database that does not exist):
-        // that will not mend by waiting.
-        Err(e @ sqlx::Error::Database(_)) => return Err(e),
+        // that will not mend by waiting. Other answers (a server shutting down, restarting after
+        // a crash) will.
+        Err(sqlx::Error::Database(e)) if refusal(e.code().as_deref()) => {
+            return Err(sqlx::Error::Database(e))
+        }
         Err(e) => tracing::warn!(
             error = %e,
             "the database does not answer; starting anyway, and connecting once it does"
@@ -64,4 +67,29 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
     migrator.set_ignore_missing(true);
     migrator.run(pool).await?;
     Ok(())
+}
+
+/// Whether a server's error at connection is a refusal that waiting will not mend: SQLSTATE
+/// class 28 (invalid authorization) and 3D000 (the database does not exist).
+fn refusal(code: Option<&str>) -> bool {
+    code.is_some_and(|code| code.starts_with("28") || code == "3D000")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refusal;
+
+    #[test]
+    fn only_credentials_and_missing_databases_are_refusals() {
+        // 28P01 wrong password, 28000 no pg_hba entry, 3D000 no such database.
+        for code in ["28P01", "28000", "3D000"] {
+            assert!(refusal(Some(code)), "{code}");
+        }
+        // 57P01 shutting down, 57P02 crash of another backend, 57P03 starting up, 53300 too many
+        // connections: each mends by waiting.
+        for code in ["57P01", "57P02", "57P03", "53300"] {
+            assert!(!refusal(Some(code)), "{code}");
+        }
+        assert!(!refusal(None));
+    }
 }

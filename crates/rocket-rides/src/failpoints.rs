@@ -13,10 +13,13 @@
 //! `ROCKET_RIDES_SABOTAGE` names bugs the harness must catch, comma-separated:
 //! - `fresh-gateway-key`: the service calls the gateway under a new key on every attempt instead
 //!   of the key derived from the key row;
-//! - `unknown-is-declined`: a charge whose outcome is unknown (no answer in time, a connection cut
-//!   before the answer was whole, a 5xx) is taken as a decline, though the gateway may have charged;
+//! - `unknown-is-declined`: a charge whose outcome is unknown (no answer in time, a connection
+//!   cut before the answer was whole, a 5xx) is taken as a decline, though the gateway may have
+//!   charged;
 //! - `carry-on-after-lost-lease`: a renewal that finds the lease taken over mid-call is logged and
-//!   ignored, and the holder goes on with its call and its next write.
+//!   ignored, and the holder goes on with its call and its next write;
+//! - `split-first-phase`: a new key is committed at `ride_created` before its ride is inserted, in
+//!   a transaction of its own.
 
 /// After the phase that claims the key and creates the ride has committed.
 pub const AFTER_RIDE_CREATED: &str = "after_ride_created";
@@ -51,6 +54,8 @@ pub const SABOTAGE_FRESH_GATEWAY_KEY: &str = "fresh-gateway-key";
 pub const SABOTAGE_UNKNOWN_IS_DECLINED: &str = "unknown-is-declined";
 /// The sabotage that lets a holder go on after a renewal lost its lease.
 pub const SABOTAGE_CARRY_ON_AFTER_LOST_LEASE: &str = "carry-on-after-lost-lease";
+/// The sabotage that splits the first phase in two transactions.
+pub const SABOTAGE_SPLIT_FIRST_PHASE: &str = "split-first-phase";
 
 /// The exit code of a process that crashed at `point` (81 and up, in the order of [`ALL`]).
 pub fn exit_code(point: &str) -> Option<i32> {
@@ -86,6 +91,7 @@ mod armed {
         fresh_gateway_key: bool,
         unknown_is_declined: bool,
         carry_on_after_lost_lease: bool,
+        split_first_phase: bool,
     }
 
     impl Default for Failpoints {
@@ -97,6 +103,7 @@ mod armed {
                 fresh_gateway_key: false,
                 unknown_is_declined: false,
                 carry_on_after_lost_lease: false,
+                split_first_phase: false,
             }
         }
     }
@@ -123,6 +130,7 @@ mod armed {
                         SABOTAGE_CARRY_ON_AFTER_LOST_LEASE => {
                             points.carry_on_after_lost_lease = true
                         }
+                        SABOTAGE_SPLIT_FIRST_PHASE => points.split_first_phase = true,
                         other => return Err(format!("{SABOTAGE_ENV}: unknown sabotage {other:?}")),
                     }
                 }
@@ -171,6 +179,11 @@ mod armed {
         /// Whether a holder goes on after a renewal lost its lease (a negative control's bug).
         pub fn carry_on_after_lost_lease(&self) -> bool {
             self.carry_on_after_lost_lease
+        }
+
+        /// Whether the first phase is split in two transactions (a negative control's bug).
+        pub fn split_first_phase(&self) -> bool {
+            self.split_first_phase
         }
     }
 
@@ -259,6 +272,11 @@ mod disarmed {
 
         /// Never sabotaged.
         pub fn carry_on_after_lost_lease(&self) -> bool {
+            false
+        }
+
+        /// Never sabotaged.
+        pub fn split_first_phase(&self) -> bool {
             false
         }
     }

@@ -538,7 +538,7 @@ pub(crate) async fn audit(
     for lost in facts.lost_leases {
         stopped.expect(lost.writes_after.is_empty(), || {
             format!(
-                "key {} token {} ({}): wrote {:?} after its renewal lost the lease",
+                "key {} token {} ({}): went on to write {:?} after its renewal lost the lease",
                 lost.key_id, lost.token, lost.log, lost.writes_after
             )
         });

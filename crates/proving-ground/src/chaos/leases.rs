@@ -16,7 +16,8 @@ pub(crate) struct LostLease {
     pub log: String,
     pub key_id: i64,
     pub token: i64,
-    /// The writes (`phase`, `gateway`) logged under the lost key and token after the loss.
+    /// The writes (`phase`, `gateway`, `release`) logged under the lost key and token after the
+    /// loss: each was about to be made.
     pub writes_after: Vec<String>,
 }
 
@@ -28,14 +29,15 @@ struct Line {
 
 #[derive(Deserialize)]
 struct Fields {
-    message: String,
     key_id: Option<i64>,
     token: Option<i64>,
     write: Option<String>,
+    #[serde(default)]
+    lost_on_renewal: bool,
 }
 
 /// Reads every process log (`*.log`) in the run's directory. Lines that are not the services'
-/// JSON (a panic's text, another target) are passed over.
+/// JSON (a panic's text, another target, a line torn by a kill) are passed over.
 pub(crate) fn read(dir: &Path) -> anyhow::Result<Vec<LostLease>> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .with_context(|| format!("read {}", dir.display()))?
@@ -45,9 +47,9 @@ pub(crate) fn read(dir: &Path) -> anyhow::Result<Vec<LostLease>> {
     names.sort();
     let mut lost = Vec::new();
     for name in names {
-        let text = std::fs::read_to_string(dir.join(&name))
+        let bytes = std::fs::read(dir.join(&name))
             .with_context(|| format!("read {}", dir.join(&name).display()))?;
-        lost.extend(scan(&name, &text));
+        lost.extend(scan(&name, &String::from_utf8_lossy(&bytes)));
     }
     Ok(lost)
 }
@@ -71,7 +73,7 @@ fn scan(log: &str, text: &str) -> Vec<LostLease> {
                     lost[i].writes_after.push(write);
                 }
             }
-            None if line.fields.message.starts_with("lease lost on renewal") => {
+            None if line.fields.lost_on_renewal => {
                 by_lease.insert((key_id, token), lost.len());
                 lost.push(LostLease {
                     log: log.to_owned(),
@@ -90,11 +92,13 @@ fn scan(log: &str, text: &str) -> Vec<LostLease> {
 mod tests {
     use super::*;
 
-    fn line(message: &str, key_id: i64, token: i64, write: Option<&str>) -> String {
-        let mut fields =
-            serde_json::json!({ "message": message, "key_id": key_id, "token": token });
-        if let Some(write) = write {
-            fields["write"] = write.into();
+    /// A line as the services' JSON formatter writes it: a write when `write` is given, else a
+    /// lost renewal.
+    fn line(key_id: i64, token: i64, write: Option<&str>) -> String {
+        let mut fields = serde_json::json!({ "message": "…", "key_id": key_id, "token": token });
+        match write {
+            Some(write) => fields["write"] = write.into(),
+            None => fields["lost_on_renewal"] = true.into(),
         }
         serde_json::json!({
             "timestamp": "2026-11-30T17:00:00Z",
@@ -108,13 +112,13 @@ mod tests {
     #[test]
     fn a_write_after_the_loss_under_the_same_lease_is_found_and_others_are_not() {
         let text = [
-            line("writing under the lease", 7, 1, Some("gateway")),
-            line("lease lost on renewal: the call is abandoned", 7, 1, None),
+            line(7, 1, Some("gateway")),
+            line(7, 1, None),
             "thread 'main' panicked: not json".to_owned(),
             // Another holder of the key, with its own token: not the lost holder's write.
-            line("writing under the lease", 7, 2, Some("phase")),
-            line("lease lost on renewal: the call is abandoned", 9, 4, None),
-            line("writing under the lease", 9, 4, Some("phase")),
+            line(7, 2, Some("phase")),
+            line(9, 4, None),
+            line(9, 4, Some("phase")),
         ]
         .join("\n");
         let lost = scan("api-0.log", &text);

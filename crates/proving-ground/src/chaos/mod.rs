@@ -69,6 +69,10 @@ pub enum Sabotage {
     /// connection cut before its answer was whole, a 5xx) for a decline: the request answers 402
     /// though the gateway may have charged the card.
     UnknownOutcome,
+    /// Commit a new key at its first recovery point (`ride_created`) before its ride is inserted,
+    /// in a transaction of its own: a commit whose answer is lost, or a backend killed in
+    /// between, leaves a key naming a ride that does not exist.
+    AtomicPhase,
     /// Let a holder whose lease renewal found the lease taken over go on with its gateway call
     /// and its next write (which the fencing token then refuses).
     LeaseStop,
@@ -180,7 +184,12 @@ const FINAL_PASS_LIMIT: Duration = Duration::from_secs(120);
 const FAULT_KINDS: [(FaultFamily, &[&str]); 5] = [
     (
         FaultFamily::Kill,
-        &["kill_api", "kill_worker", "pause_api", LEASE_STOLEN],
+        &[
+            "kill_api",
+            "kill_worker",
+            processes::PAUSE_KIND,
+            LEASE_STOLEN,
+        ],
     ),
     (
         FaultFamily::Crash,
@@ -227,20 +236,27 @@ const PAUSE: Duration = Duration::from_secs(14);
 const STEAL_EVERY: Duration = Duration::from_secs(1);
 /// The fault kind of a lease taken over under its holder.
 const LEASE_STOLEN: &str = "lease_stolen";
-/// When an API process is paused, as shares of the requests done: once, well after PostgreSQL's
-/// crash or failover half-way. A frozen process holds its clients until their attempts time out,
+/// When an API process is paused, as shares of the requests done: once, after PostgreSQL's crash
+/// or failover half-way, early enough that the run outlasts the pause. A frozen process holds its clients until their attempts time out,
 /// and the run's load falls meanwhile; the controls of the crash and of the failover need the
 /// load at that moment.
-const PAUSES_AT: [f64; 1] = [0.8];
+const PAUSES_AT: [f64; 1] = [0.65];
 
 /// The probability that a service's `COMMIT` is cut off from its answer.
 const DB_CUT_AFTER_COMMIT: f64 = 0.01;
 /// How long the run's PostgreSQL stays down when it crashes.
 const PG_DOWN: Duration = Duration::from_secs(1);
-/// How long the negative control of `--failover` stalls replication before the primary dies.
+/// How long `--failover` stalls replication before the primary dies (the negative control: at
+/// least).
 const REPLICATION_STALL: Duration = Duration::from_secs(2);
-/// How long the negative control of durable commits stops the WAL writer before the crash.
+/// How long the negative control of durable commits stops the WAL writer before the crash, at
+/// least.
 const WAL_WRITER_STALL: Duration = Duration::from_secs(1);
+/// The 201s a negative control waits for while what backs them cannot last (the WAL writer or
+/// the replication stream stalled): then the loss is certain, however slow the run.
+const ACKNOWLEDGED_IN_STALL: u64 = 5;
+/// How long a negative control waits for them at most.
+const STALL_LIMIT: Duration = Duration::from_secs(10);
 /// How long setting up the run's PostgreSQL (a cluster, a standby) may take.
 const SETUP_LIMIT: Duration = Duration::from_secs(120);
 
@@ -495,6 +511,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             Sabotage::LeaseStop => {
                 Some(rocket_rides::failpoints::SABOTAGE_CARRY_ON_AFTER_LOST_LEASE)
             }
+            Sabotage::AtomicPhase => Some(rocket_rides::failpoints::SABOTAGE_SPLIT_FIRST_PHASE),
             // Applied to the worker's arguments below, and to the database above and below.
             Sabotage::Completer | Sabotage::SyncReplication | Sabotage::DurableCommit => None,
         })
@@ -668,6 +685,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             db_faults_held.clone(),
         );
         let (total, failover) = (args.requests, args.failover);
+        let sync_replication = replication == cluster::Replication::Synchronous;
         background.spawn(async move {
             while !stop.load(Ordering::Relaxed) && done.load(Ordering::Relaxed) < total / 2 {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -688,7 +706,11 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 // The stream stops: synchronous commits wait, asynchronous ones go on without
                 // the standby (the negative control's loss).
                 postgres.stall_replication();
-                tokio::time::sleep(REPLICATION_STALL).await;
+                if sync_replication {
+                    tokio::time::sleep(REPLICATION_STALL).await;
+                } else {
+                    acknowledged_meanwhile(&recorder, REPLICATION_STALL).await;
+                }
             }
             if asynchronous_commit {
                 // The negative control of durable commits: what the WAL writer has not written
@@ -696,11 +718,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 // harness's own writes hold still meanwhile: their synchronous commits would
                 // flush the others' WAL.
                 held.store(true, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(200)).await;
                 if let Err(e) = postgres.stall_wal_writer().await {
                     eprintln!("chaos: stalling the WAL writer failed: {e:#}");
                     recorder.unexpected_exit();
                 }
-                tokio::time::sleep(WAL_WRITER_STALL).await;
+                acknowledged_meanwhile(&recorder, WAL_WRITER_STALL).await;
             }
             let from = recorder.second();
             let (kind, result) = if failover {
@@ -777,25 +800,34 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             recorder.clone(),
             db_faults_held.clone(),
         );
-        let renewed_after = rocket_rides::config::parse_duration(LEASE_TTL)
-            .map_err(anyhow::Error::msg)?
-            + Duration::from_millis(500);
+        let ttl = rocket_rides::config::parse_duration(LEASE_TTL).map_err(anyhow::Error::msg)?;
+        let heartbeat =
+            rocket_rides::config::parse_duration(LEASE_HEARTBEAT).map_err(anyhow::Error::msg)?;
+        let renewed_after = ttl + Duration::from_millis(500);
+        let recently_renewed = ttl - heartbeat.mul_f64(1.5);
         background.spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 tokio::time::sleep(STEAL_EVERY).await;
                 if held.load(Ordering::SeqCst) {
                     continue;
                 }
+                // Renewed since its last phase, and within the last heartbeat and a half: its
+                // holder is alive and waiting on the gateway. Locked rows are in a phase: skipped.
                 let stolen: Result<Option<i64>, _> = sqlx::query_scalar(
-                    "UPDATE idempotency_keys k SET lease_token = k.lease_token + 1
-                     FROM (SELECT user_id, id FROM idempotency_keys
-                           WHERE finished_at IS NULL AND locked_until > now()
-                             AND locked_until > last_run_at + $1 * interval '1 millisecond'
-                           ORDER BY random() LIMIT 1) renewed
-                     WHERE k.user_id = renewed.user_id AND k.id = renewed.id
+                    "WITH renewed AS (
+                         SELECT user_id, id FROM idempotency_keys
+                         WHERE finished_at IS NULL
+                           AND locked_until > last_run_at + $1 * interval '1 millisecond'
+                           AND locked_until > now() + $2 * interval '1 millisecond'
+                         ORDER BY random() LIMIT 1
+                         FOR UPDATE SKIP LOCKED
+                     )
+                     UPDATE idempotency_keys k SET lease_token = k.lease_token + 1
+                     FROM renewed WHERE k.user_id = renewed.user_id AND k.id = renewed.id
                      RETURNING k.id",
                 )
                 .bind(renewed_after.as_millis() as i64)
+                .bind(recently_renewed.as_millis() as i64)
                 .fetch_optional(&pool)
                 .await;
                 if let Ok(Some(_)) = stolen {
@@ -1086,6 +1118,11 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         .filter(|(family, _)| on(*family))
         .flat_map(|(_, kinds)| kinds.iter().copied())
         .filter(|kind| !(args.failover && *kind == "pg_crash_restart"))
+        // A lease is taken over only from a holder waiting on a slow gateway call: slow charges
+        // or a slow network make those.
+        .filter(|kind| {
+            *kind != LEASE_STOLEN || on(FaultFamily::Gateway) || on(FaultFamily::Network)
+        })
         .collect();
     if args.failover {
         configured.push("pg_failover");
@@ -1155,6 +1192,17 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     }
     eprintln!("chaos: report in {}", dir.join("report.html").display());
     Ok(report)
+}
+
+/// Waits `at_least`, then until the clients have received [`ACKNOWLEDGED_IN_STALL`] more 201s
+/// than when it began (or [`STALL_LIMIT`] passed).
+async fn acknowledged_meanwhile(recorder: &Recorder, at_least: Duration) {
+    let acknowledged = || recorder.response_totals().get("201").copied().unwrap_or(0);
+    let (from, started) = (acknowledged(), Instant::now());
+    tokio::time::sleep(at_least).await;
+    while acknowledged() < from + ACKNOWLEDGED_IN_STALL && started.elapsed() < STALL_LIMIT {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The service binary to spawn, checked to have the crash points and sabotage switches that the

@@ -95,6 +95,8 @@ async fn supervise(
     mut control: mpsc::UnboundedReceiver<Control>,
     recorder: Recorder,
 ) {
+    // A pause asked for while the process was dead waits for its next life.
+    let mut pending_pause = None;
     for generation in 0.. {
         let mut child = match spawn(&spec, generation) {
             Ok(child) => child,
@@ -106,6 +108,13 @@ async fn supervise(
                 return;
             }
         };
+        if let Some(how_long) = pending_pause.take() {
+            if !pause(&spec, &mut child, how_long, &mut control, &recorder).await {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                return;
+            }
+        }
         let stop = loop {
             tokio::select! {
                 status = child.wait() => {
@@ -140,18 +149,25 @@ async fn supervise(
             let _ = child.wait().await;
             return;
         }
-        tokio::select! {
-            _ = tokio::time::sleep(spec.restart_delay) => {}
-            message = control.recv() => match message {
-                Some(Control::Kill | Control::Pause(_)) => {}
-                Some(Control::Stop) | None => return,
-            },
+        let delay = tokio::time::sleep(spec.restart_delay);
+        tokio::pin!(delay);
+        loop {
+            tokio::select! {
+                _ = &mut delay => break,
+                message = control.recv() => match message {
+                    // Nothing runs to kill.
+                    Some(Control::Kill) => {}
+                    Some(Control::Pause(how_long)) => pending_pause = Some(how_long),
+                    Some(Control::Stop) | None => return,
+                },
+            }
         }
     }
 }
 
 /// Stops `child` for `how_long` and lets it go on; false when told to stop meanwhile. Kills and
-/// pauses that arrive meanwhile are dropped.
+/// pauses that arrive meanwhile are dropped. The pause counts once the process goes on: one cut
+/// short by the end of the run tested nothing.
 async fn pause(
     spec: &ProcessSpec,
     child: &mut Child,
@@ -167,7 +183,6 @@ async fn pause(
         recorder.unexpected_exit();
         return true;
     }
-    recorder.fault(PAUSE_KIND, 1);
     let deadline = tokio::time::Instant::now() + how_long;
     let go_on = loop {
         tokio::select! {
@@ -178,9 +193,13 @@ async fn pause(
             },
         }
     };
-    if let Err(e) = signal(pid, "CONT").await {
-        tracing::error!(name = %spec.name, error = %e, "cannot resume process");
-        recorder.unexpected_exit();
+    match signal(pid, "CONT").await {
+        Ok(()) if go_on => recorder.fault(PAUSE_KIND, 1),
+        Ok(()) => {}
+        Err(e) => {
+            tracing::error!(name = %spec.name, error = %e, "cannot resume process");
+            recorder.unexpected_exit();
+        }
     }
     go_on
 }
@@ -190,7 +209,7 @@ pub(crate) const PAUSE_KIND: &str = "pause_api";
 
 /// Sends `signal` (`STOP`, `CONT`) to a process of ours.
 async fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
-    let status = Command::new("sh")
+    let status = Command::new("/bin/sh")
         .args([
             "-c",
             &format!("kill -s {signal} \"$1\""),
