@@ -943,3 +943,43 @@ async fn key_row_updates_are_hot_without_vacuum(pool: PgPool) {
         "{hot} of {updates} key-row updates were HOT"
     );
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_holder_knows_by_its_own_clock_when_its_lease_may_be_gone(pool: PgPool) {
+    let (_, clock) = setup(&pool).await;
+    // A short TTL, in real time: what the holder's own clock measures is what passes, whatever
+    // the database's (here, a manual) clock says.
+    let ttl = Duration::from_secs(1);
+    let store = Store::new(pool.clone(), Arc::new(clock.clone()), ttl).unwrap();
+    let (k, body) = (key("k1"), json!({"a": 1}));
+    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let left = store.lease_left(&lease);
+    assert!(left <= ttl && left > ttl / 2, "{left:?}");
+
+    // The holder stands still past its lease: it knows, without asking the database.
+    tokio::time::sleep(ttl + Duration::from_millis(50)).await;
+    assert_eq!(store.lease_left(&lease), Duration::ZERO);
+    // A renewal while nobody took the key over extends it again,
+    store.renew(&mut lease).await.unwrap();
+    assert!(store.lease_left(&lease) > ttl / 2);
+    // and so does a phase.
+    tokio::time::sleep(ttl + Duration::from_millis(50)).await;
+    store
+        .phase(&mut lease, Point::Halfway)
+        .await
+        .unwrap()
+        .commit()
+        .await
+        .unwrap();
+    assert!(store.lease_left(&lease) > ttl / 2);
+
+    // Taken over meanwhile (the database's clock moved past the lease): the renewal says so.
+    tokio::time::sleep(ttl + Duration::from_millis(50)).await;
+    clock.advance(ttl);
+    let _taken = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    assert_eq!(store.lease_left(&lease), Duration::ZERO);
+    assert!(matches!(
+        store.renew(&mut lease).await,
+        Err(Error::LeaseLost { .. })
+    ));
+}

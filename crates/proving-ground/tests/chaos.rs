@@ -2,38 +2,41 @@
 //! scenario must fail the audit, on the checks that protection serves. An auditor that cannot fail
 //! proves nothing.
 
-use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
 
-fn run_chaos(report_dir: &Path, extra: &[&str]) -> (std::process::ExitStatus, Value) {
-    run_chaos_with(report_dir, 150, extra)
-}
-
-fn run_chaos_with(
-    report_dir: &Path,
-    requests: u32,
-    extra: &[&str],
-) -> (std::process::ExitStatus, Value) {
+/// Runs the seeded scenario with `requests` requests and `args`, in a report directory of its
+/// own, checks that it failed, and returns its report.
+fn failed_control(name: &str, requests: u32, args: &[&str]) -> Value {
+    assert!(
+        std::env::var("DATABASE_URL").is_ok(),
+        "DATABASE_URL names the test server"
+    );
+    let dir = std::env::temp_dir().join(format!("chaos-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     let status = Command::new(env!("CARGO_BIN_EXE_chaos"))
         .args(["--requests", &requests.to_string()])
         .args(["--concurrency", "16", "--seed", "7"])
-        .args(extra)
+        .args(args)
         .arg("--drop-database")
         .arg("--report-dir")
-        .arg(report_dir)
+        .arg(&dir)
         .env("RUST_LOG", "warn")
         .env("RUST_BACKTRACE", "0")
         .status()
         .expect("run chaos");
-    let run = std::fs::read_dir(report_dir)
+    let run = std::fs::read_dir(&dir)
         .unwrap()
         .map(|entry| entry.unwrap().path())
         .find(|path| path.join("report.json").exists())
         .expect("the run wrote a report");
-    let report = serde_json::from_slice(&std::fs::read(run.join("report.json")).unwrap()).unwrap();
-    (status, report)
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(run.join("report.json")).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    assert_eq!(report["passed"], false);
+    report
 }
 
 fn invariant<'a>(report: &'a Value, name: &str) -> &'a Value {
@@ -47,16 +50,7 @@ fn invariant<'a>(report: &'a Value, name: &str) -> &'a Value {
 
 #[test]
 fn without_the_derived_gateway_key_the_audit_fails_with_double_charges() {
-    assert!(
-        std::env::var("DATABASE_URL").is_ok(),
-        "DATABASE_URL names the test server"
-    );
-    let dir = std::env::temp_dir().join(format!("chaos-control-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let (status, report) = run_chaos(&dir, &["--without", "derived-key"]);
-
-    assert!(!status.success(), "the sabotaged run must exit non-zero");
-    assert_eq!(report["passed"], false);
+    let report = failed_control("control", 150, &["--without", "derived-key"]);
     assert_eq!(report["sabotage"][0], "derived-key");
     let doubles = invariant(&report, "one_charge_per_key");
     assert_eq!(doubles["passed"], false, "{doubles}");
@@ -73,25 +67,21 @@ fn without_the_derived_gateway_key_the_audit_fails_with_double_charges() {
             "one_charge_per_key" | "no_charge_without_ride" => {}
             "refused_keys_finish_with_502_and_no_charge"
             | "adopted_charge_is_the_rides_one_charge" => {}
-            // 150 requests are too few to draw every fault kind; the control is about charges.
-            "every_fault_exercised" => {}
+            // 150 requests are too few to draw every fault kind, or to be sure that a lease
+            // taken over is found out by a renewal; the control is about charges.
+            "every_fault_exercised" | "lost_lease_stopped_its_holder" => {}
             _ => assert_eq!(check["passed"], true, "{check}"),
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_failover_without_synchronous_replication_loses_acknowledged_rides() {
-    assert!(
-        std::env::var("DATABASE_URL").is_ok(),
-        "DATABASE_URL names the test server"
+    let report = failed_control(
+        "failover",
+        150,
+        &["--failover", "--without", "sync-replication"],
     );
-    let dir = std::env::temp_dir().join(format!("chaos-failover-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let (status, report) = run_chaos(&dir, &["--failover", "--without", "sync-replication"]);
-
-    assert!(!status.success(), "the sabotaged run must exit non-zero");
     assert_eq!(report["faults"]["pg_failover"], 1, "{}", report["faults"]);
     // Rides the clients were told about are gone with the primary: their 201s name rides the
     // promoted standby never received, and their gateway charges belong to no ride.
@@ -101,20 +91,11 @@ fn a_failover_without_synchronous_replication_loses_acknowledged_rides() {
         invariant(&report, "no_charge_without_ride")["passed"],
         false
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn taking_an_unknown_outcome_for_a_decline_leaves_charged_cards_told_declined() {
-    assert!(
-        std::env::var("DATABASE_URL").is_ok(),
-        "DATABASE_URL names the test server"
-    );
-    let dir = std::env::temp_dir().join(format!("chaos-unknown-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let (status, report) = run_chaos(&dir, &["--without", "unknown-outcome"]);
-
-    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    let report = failed_control("unknown", 150, &["--without", "unknown-outcome"]);
     assert_eq!(report["sabotage"][0], "unknown-outcome");
     // A charge slower than the gateway timeout, or whose answer was cut, was made: its ride was
     // declined all the same, so the charge belongs to no ride, and a good card was told 402.
@@ -124,45 +105,27 @@ fn taking_an_unknown_outcome_for_a_decline_leaves_charged_cards_told_declined() 
     assert_eq!(declines["passed"], false, "{declines}");
     // No ride was charged twice: the key, derived from the key row, still held.
     assert_eq!(invariant(&report, "one_charge_per_key")["passed"], true);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_crash_of_postgresql_under_asynchronous_commits_loses_acknowledged_rides() {
-    assert!(
-        std::env::var("DATABASE_URL").is_ok(),
-        "DATABASE_URL names the test server"
-    );
-    let dir = std::env::temp_dir().join(format!("chaos-async-commit-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let (status, report) = run_chaos(&dir, &["--without", "durable-commit"]);
-
-    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    let report = failed_control("async-commit", 150, &["--without", "durable-commit"]);
     assert_eq!(
         report["faults"]["pg_crash_restart"], 1,
         "{}",
         report["faults"]
     );
-    // The last second before the crash was acknowledged and never written: 201s name rides that
+    // The stall before the crash was acknowledged and never written: 201s name rides that
     // recovery did not bring back.
     let acknowledged = invariant(&report, "acknowledged_201_is_paid");
     assert_eq!(acknowledged["passed"], false, "{acknowledged}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_holder_that_goes_on_after_losing_its_lease_is_caught() {
-    assert!(
-        std::env::var("DATABASE_URL").is_ok(),
-        "DATABASE_URL names the test server"
-    );
-    let dir = std::env::temp_dir().join(format!("chaos-lease-stop-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     // Enough requests for several gateway calls slower than the heartbeat, whose leases the
     // harness takes over.
-    let (status, report) = run_chaos_with(&dir, 400, &["--without", "lease-stop"]);
-
-    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    let report = failed_control("lease-stop", 400, &["--without", "lease-stop"]);
     assert!(
         report["faults"]["lease_stolen"].as_u64().unwrap_or(0) > 0,
         "{}",
@@ -179,22 +142,13 @@ fn a_holder_that_goes_on_after_losing_its_lease_is_caught() {
     ] {
         assert_eq!(invariant(&report, check)["passed"], true, "{check}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_first_phase_split_in_two_transactions_leaves_keys_that_never_finish() {
-    assert!(
-        std::env::var("DATABASE_URL").is_ok(),
-        "DATABASE_URL names the test server"
-    );
-    let dir = std::env::temp_dir().join(format!("chaos-atomic-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     // Enough requests for several commits cut from their answers, and backends killed, between
     // a key's commit and its ride's insert.
-    let (status, report) = run_chaos_with(&dir, 400, &["--without", "atomic-phase"]);
-
-    assert!(!status.success(), "the sabotaged run must exit non-zero");
+    let report = failed_control("atomic", 400, &["--without", "atomic-phase"]);
     // A key that names a ride that does not exist can be resumed by nobody.
     let finished = invariant(&report, "every_key_finished");
     assert_eq!(finished["passed"], false, "{finished}");
@@ -206,5 +160,4 @@ fn a_first_phase_split_in_two_transactions_leaves_keys_that_never_finish() {
     ] {
         assert_eq!(invariant(&report, check)["passed"], true, "{check}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -711,7 +711,8 @@ async fn refusal_or_error(
     }
 }
 
-/// Awaits a foreign call while renewing the lease every heartbeat period.
+/// Awaits a foreign call while renewing the lease every heartbeat period, and first, if little
+/// of it is left by this process's own clock.
 ///
 /// A call that outlives the lease TTL would otherwise let another attempt take the key over and
 /// call again (harmless for the charge, whose key is the same, but wasteful). If a renewal finds
@@ -722,6 +723,12 @@ async fn with_heartbeat<T>(
     lease: &mut Lease<RidePoint>,
     call: impl std::future::Future<Output = T>,
 ) -> Result<T, BookingError> {
+    // A holder that stood still past its lease (a paused process, a frozen machine) may have
+    // lost the key without knowing, and a new holder may have moved on to another generation of
+    // the gateway key: charging this one now would charge twice. Ask before the call.
+    if state.store.lease_left(lease) < state.heartbeat {
+        renew(state, lease).await?;
+    }
     writing(lease, "gateway");
     tokio::pin!(call);
     let start = tokio::time::Instant::now() + state.heartbeat;
@@ -730,30 +737,36 @@ async fn with_heartbeat<T>(
     loop {
         tokio::select! {
             outcome = &mut call => return Ok(outcome),
-            _ = ticker.tick(), if renewing => match state.store.renew(lease).await {
+            _ = ticker.tick(), if renewing => match renew(state, lease).await {
                 Ok(()) => {
                     tracing::debug!(key_id = lease.key_id(), "lease renewed during the call");
                 }
-                Err(e @ idempotency::Error::LeaseLost { .. }) => {
-                    tracing::warn!(
-                        target: LEASE_LOG,
-                        key_id = lease.key_id(),
-                        token = lease.token(),
-                        lost_on_renewal = true,
-                        "lease lost on renewal: the gateway call is abandoned, nothing more is \
-                         written"
-                    );
-                    if state.failpoints.carry_on_after_lost_lease() {
-                        // The chaos harness's negative control: the holder goes on regardless.
-                        renewing = false;
-                        continue;
-                    }
-                    return Err(e.into());
+                // The chaos harness's negative control: the holder goes on regardless.
+                Err(idempotency::Error::LeaseLost { .. })
+                    if state.failpoints.carry_on_after_lost_lease() =>
+                {
+                    renewing = false;
                 }
                 Err(e) => return Err(e.into()),
             },
         }
     }
+}
+
+/// Renews the lease; a renewal that finds it taken over is logged on [`LEASE_LOG`], and its
+/// holder must write nothing more.
+async fn renew(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<(), idempotency::Error> {
+    let renewed = state.store.renew(lease).await;
+    if let Err(idempotency::Error::LeaseLost { .. }) = &renewed {
+        tracing::warn!(
+            target: LEASE_LOG,
+            key_id = lease.key_id(),
+            token = lease.token(),
+            lost_on_renewal = true,
+            "lease lost on renewal: nothing more is written"
+        );
+    }
+    renewed
 }
 
 /// The final phase of a declined card: the ride is marked, the 402 is stored.

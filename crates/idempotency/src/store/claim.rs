@@ -331,6 +331,7 @@ impl Store {
             recovery_point: point,
             params: req.params.clone(),
             locked_until: row.get::<OffsetDateTime, _>("locked_until"),
+            confirmed_at: std::time::Instant::now(),
         }))
     }
 }

@@ -2,7 +2,7 @@
 //! application's recovery points.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use sqlx::postgres::{PgPool, PgRow};
@@ -112,6 +112,8 @@ pub struct Lease<P> {
     pub(super) recovery_point: P,
     pub(super) params: Value,
     pub(super) locked_until: OffsetDateTime,
+    /// When this process last took or extended the lease, on its own monotonic clock.
+    pub(super) confirmed_at: Instant,
 }
 
 impl<P: RecoveryPoint> Lease<P> {
@@ -213,6 +215,16 @@ impl Store {
         self.clock.now()
     }
 
+    /// How long `lease` surely lasts, by this process's own clock: the TTL from when the lease
+    /// was last taken or extended here, less the time since. A holder that stood still (a pause
+    /// of its process or machine) past its lease may have lost the key without knowing; before a
+    /// side effect outside the database, it renews a lease with little left, and a takeover then
+    /// shows as [`Error::LeaseLost`]. The database's time is not needed, so clocks that disagree
+    /// do not matter.
+    pub fn lease_left<P>(&self, lease: &Lease<P>) -> Duration {
+        self.lease_ttl.saturating_sub(lease.confirmed_at.elapsed())
+    }
+
     pub(crate) fn ttl_millis(&self) -> i64 {
         // Bounded to one hour by `new`, so it fits.
         self.lease_ttl.as_millis() as i64
@@ -237,6 +249,7 @@ pub(crate) fn lease_from_row<P: RecoveryPoint>(
         recovery_point,
         params: row.get::<Json<Value>, _>("request_params").0,
         locked_until: row.get("locked_until"),
+        confirmed_at: Instant::now(),
     })
 }
 

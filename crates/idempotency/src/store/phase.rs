@@ -1,6 +1,8 @@
 //! Phases and the lease: the fenced update that opens every phase, the final phase that stores
 //! the response, renewal, release, and abandoning a key that must leave no trace.
 
+use std::time::Instant;
+
 use sqlx::types::Json;
 use sqlx::{PgConnection, Postgres, Row, Transaction};
 use time::OffsetDateTime;
@@ -24,12 +26,14 @@ impl Store {
                 to: to.name(),
             });
         }
+        let fenced_at = Instant::now();
         let (tx, locked_until) = self.fence(lease, to.name()).await?;
         Ok(Phase {
             tx,
             lease,
             to,
             locked_until,
+            fenced_at,
         })
     }
 
@@ -109,6 +113,7 @@ impl Store {
 
     /// Extends a held lease by one TTL from now (a heartbeat during a long foreign call).
     pub async fn renew<P: RecoveryPoint>(&self, lease: &mut Lease<P>) -> Result<(), Error> {
+        let asked_at = Instant::now();
         let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(
             r#"
             UPDATE idempotency_keys
@@ -128,6 +133,7 @@ impl Store {
         match locked_until {
             Some(until) => {
                 lease.locked_until = until;
+                lease.confirmed_at = asked_at;
                 Ok(())
             }
             None => Err(Error::LeaseLost {
@@ -208,6 +214,8 @@ pub struct Phase<'l, P: RecoveryPoint> {
     lease: &'l mut Lease<P>,
     to: P,
     locked_until: OffsetDateTime,
+    /// When the fence was asked for: the lease it extended runs from no later than this.
+    fenced_at: Instant,
 }
 
 impl<P: RecoveryPoint> Phase<'_, P> {
@@ -230,6 +238,7 @@ impl<P: RecoveryPoint> Phase<'_, P> {
         )))?;
         self.lease.recovery_point = self.to;
         self.lease.locked_until = self.locked_until;
+        self.lease.confirmed_at = self.fenced_at;
         Ok(())
     }
 }
