@@ -2,7 +2,7 @@
 # The chaos demo: builds rocket-rides with its failpoints and the harness (crates/proving-ground),
 # makes PostgreSQL available (the server of DATABASE_URL holds the gateway's database; the
 # service's runs in a cluster of the run's own, made from the installed server binaries), and
-# runs `chaos` with the given options (default: a run of about a minute). Exits non-zero when an
+# runs `chaos` with the given options (default: a run of about a minute and a half). Exits non-zero when an
 # invariant failed. Reports land in target/chaos/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -108,7 +108,7 @@ pub struct ChaosArgs {
     #[arg(long, env = "DATABASE_URL")]
     pub database_url: String,
     /// Requests to send (each with a fresh key, retried with it).
-    #[arg(long, default_value_t = 2500, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub requests: u64,
     /// Seed of every random choice of the run (faults, schedule, payloads). Random if not given.
     #[arg(long)]
