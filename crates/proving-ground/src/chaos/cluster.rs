@@ -329,13 +329,6 @@ fn prepare_dir(data: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Sends `signal` (`STOP`, `KILL`) to a server process, as the user the servers run as.
-pub(crate) async fn signal(pid: i32, signal: &str) -> anyhow::Result<()> {
-    let (script, pid) = (format!("kill -s {signal} \"$1\""), pid.to_string());
-    let args = ["-c", script.as_str(), "sh", pid.as_str()].map(std::ffi::OsStr::new);
-    run(Path::new("/bin/sh"), &args).await
-}
-
 /// Runs a server tool, as `postgres` when we are root, from `/` (the user may not read our
 /// working directory); fails with its output.
 async fn run(program: &Path, args: &[&std::ffi::OsStr]) -> anyhow::Result<()> {

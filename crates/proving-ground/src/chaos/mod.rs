@@ -236,11 +236,11 @@ const PAUSE: Duration = Duration::from_secs(14);
 const STEAL_EVERY: Duration = Duration::from_secs(1);
 /// The fault kind of a lease taken over under its holder.
 const LEASE_STOLEN: &str = "lease_stolen";
-/// When an API process is paused, as shares of the requests done: once, after PostgreSQL's crash
-/// or failover half-way, early enough that the run outlasts the pause. A frozen process holds its clients until their attempts time out,
+/// When an API process is paused, as a share of the requests done: once, after PostgreSQL's
+/// crash or failover half-way, early enough that the run outlasts the pause. A frozen process holds its clients until their attempts time out,
 /// and the run's load falls meanwhile; the controls of the crash and of the failover need the
 /// load at that moment.
-const PAUSES_AT: [f64; 1] = [0.65];
+const PAUSE_AT: f64 = 0.65;
 
 /// The probability that a service's `COMMIT` is cut off from its answer.
 const DB_CUT_AFTER_COMMIT: f64 = 0.01;
@@ -644,10 +644,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 format!("http://{gateway_addr}/v1/customers/{customer}"),
             );
             background.spawn(async move {
-                while !stop.load(Ordering::Relaxed) && done.load(Ordering::Relaxed) < total / 3 {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                if stop.load(Ordering::Relaxed) {
+                if !reached(&done, &stop, total / 3).await {
                     return;
                 }
                 // Counted as refused before the call: a refusal answered meanwhile is then
@@ -687,10 +684,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         let (total, failover) = (args.requests, args.failover);
         let sync_replication = replication == cluster::Replication::Synchronous;
         background.spawn(async move {
-            while !stop.load(Ordering::Relaxed) && done.load(Ordering::Relaxed) < total / 2 {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            if stop.load(Ordering::Relaxed) {
+            if !reached(&done, &stop, total / 2).await {
                 return;
             }
             let mut postgres = postgres.lock().await;
@@ -777,14 +771,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         );
         let total = args.requests;
         background.spawn(async move {
-            for share in PAUSES_AT {
-                let at = (total as f64 * share) as u64;
-                while !stop.load(Ordering::Relaxed) && done.load(Ordering::Relaxed) < at {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                if stop.load(Ordering::Relaxed) {
-                    return;
-                }
+            if reached(&done, &stop, (total as f64 * PAUSE_AT) as u64).await {
                 apis[rng.random_range(0..apis.len())].pause(PAUSE);
             }
         });
@@ -1192,6 +1179,14 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     }
     eprintln!("chaos: report in {}", dir.join("report.html").display());
     Ok(report)
+}
+
+/// Waits until `done` requests reach `at`: true then, false if the run stopped first.
+async fn reached(done: &AtomicU64, stop: &AtomicBool, at: u64) -> bool {
+    while !stop.load(Ordering::Relaxed) && done.load(Ordering::Relaxed) < at {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    !stop.load(Ordering::Relaxed)
 }
 
 /// Waits `at_least`, then until the clients have received [`ACKNOWLEDGED_IN_STALL`] more 201s

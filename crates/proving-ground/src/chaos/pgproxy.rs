@@ -30,8 +30,9 @@ use tokio::task::{JoinHandle, JoinSet};
 /// Fault kind of a connection cut right after its `COMMIT` went to the server.
 pub(crate) const DB_CUT_AFTER_COMMIT: &str = "db_cut_after_commit";
 
-/// How long a cut connection lives after its `COMMIT` left: time for the server to commit (its
-/// answer is swallowed) before both sockets are aborted.
+/// How long a cut connection waits, at most, for the server's answer to its `COMMIT` (which is
+/// swallowed) before both sockets are aborted; a server that does not answer in time is cut all
+/// the same.
 const CUT_GRACE: Duration = Duration::from_millis(200);
 
 /// The protocol codes of the untyped requests that may precede a startup message.
@@ -152,7 +153,7 @@ async fn serve(mut client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>)
     };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    let muted = AtomicBool::new(false);
+    let muted = Mute::default();
     let result = {
         let (mut client_read, mut client_write) = client.split();
         let (mut server_read, mut server_write) = server.split();
@@ -166,6 +167,14 @@ async fn serve(mut client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>)
         let _ = client.set_zero_linger();
         let _ = server.set_zero_linger();
     }
+}
+
+/// The answer to a `COMMIT` about to be cut: it never reaches the client, and its arrival is
+/// signalled, so that the cut follows the server's commit.
+#[derive(Default)]
+struct Mute {
+    on: AtomicBool,
+    swallowed: tokio::sync::Notify,
 }
 
 /// Why a connection's forwarding stopped early.
@@ -189,12 +198,7 @@ async fn unpaused(shared: &Shared) {
 }
 
 /// Client to server: the startup requests, then typed messages, one by one.
-async fn requests<R, W>(
-    from: &mut R,
-    to: &mut W,
-    shared: &Shared,
-    muted: &AtomicBool,
-) -> Result<(), Stop>
+async fn requests<R, W>(from: &mut R, to: &mut W, shared: &Shared, muted: &Mute) -> Result<(), Stop>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -232,12 +236,12 @@ where
         };
         if cut {
             // The answer must never reach the client: mute it before the server can send it.
-            muted.store(true, Ordering::SeqCst);
+            muted.on.store(true, Ordering::SeqCst);
         }
         to.write_all(&message).await?;
         if cut {
             to.flush().await?;
-            tokio::time::sleep(CUT_GRACE).await;
+            let _ = tokio::time::timeout(CUT_GRACE, muted.swallowed.notified()).await;
             shared.cuts.fetch_add(1, Ordering::Relaxed);
             return Err(Stop::Cut);
         }
@@ -245,12 +249,7 @@ where
 }
 
 /// Server to client: copied as it comes, unless muted.
-async fn answers<R, W>(
-    from: &mut R,
-    to: &mut W,
-    shared: &Shared,
-    muted: &AtomicBool,
-) -> Result<(), Stop>
+async fn answers<R, W>(from: &mut R, to: &mut W, shared: &Shared, muted: &Mute) -> Result<(), Stop>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -258,13 +257,13 @@ where
     copy(from, to, shared, Some(muted)).await
 }
 
-/// Copies what comes until the end of the stream, holding while paused, dropping it while
-/// `muted` is set.
+/// Copies what comes until the end of the stream, holding while paused, swallowing it (and
+/// saying so) while `muted` is on.
 async fn copy<R, W>(
     from: &mut R,
     to: &mut W,
     shared: &Shared,
-    muted: Option<&AtomicBool>,
+    muted: Option<&Mute>,
 ) -> Result<(), Stop>
 where
     R: AsyncRead + Unpin,
@@ -278,8 +277,9 @@ where
             to.shutdown().await?;
             return Ok(());
         }
-        if !muted.is_some_and(|m| m.load(Ordering::SeqCst)) {
-            to.write_all(&buf[..n]).await?;
+        match muted {
+            Some(mute) if mute.on.load(Ordering::SeqCst) => mute.swallowed.notify_one(),
+            _ => to.write_all(&buf[..n]).await?,
         }
     }
 }

@@ -34,7 +34,7 @@ pub(crate) struct Postgres {
     cut_probability: f64,
     root: PathBuf,
     /// The WAL writer stopped by [`Postgres::stall_wal_writer`], killed at the crash.
-    stalled_wal_writer: Option<i32>,
+    stalled_wal_writer: Option<u32>,
 }
 
 impl Postgres {
@@ -166,7 +166,7 @@ impl Postgres {
         // A stopped process cannot take the shutdown's signal: it dies first, unwritten WAL and
         // all (its death alone would make the server restart every backend).
         if let Some(pid) = self.stalled_wal_writer.take() {
-            super::cluster::signal(pid, "KILL").await?;
+            super::processes::signal(pid, "KILL").await?;
         }
         self.primary.crash().await?;
         tokio::time::sleep(down).await;
@@ -183,7 +183,8 @@ impl Postgres {
                 .await
                 .context("find the WAL writer")?;
         conn.close().await?;
-        super::cluster::signal(pid, "STOP").await?;
+        let pid = u32::try_from(pid).context("a process id")?;
+        super::processes::signal(pid, "STOP").await?;
         self.stalled_wal_writer = Some(pid);
         Ok(())
     }

@@ -207,8 +207,9 @@ async fn pause(
 /// The fault kind of a pause.
 pub(crate) const PAUSE_KIND: &str = "pause_api";
 
-/// Sends `signal` (`STOP`, `CONT`) to a process of ours.
-async fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
+/// Sends `signal` (`STOP`, `CONT`, `KILL`) to a process of ours, or to a server of the run's
+/// PostgreSQL (which runs as us, or as `postgres` when we are root).
+pub(crate) async fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
     let status = Command::new("/bin/sh")
         .args([
             "-c",
