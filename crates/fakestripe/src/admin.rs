@@ -7,7 +7,12 @@
 //! - `POST /keys/forget` (`{"older_than_ms": N}`, default 0): forgets the idempotency keys that
 //!   finished more than N ms ago, as Stripe prunes keys after 24 hours; answers `{"forgotten": n}`;
 //! - `POST /charges/settle` (`{"status": "succeeded" | "failed"}`): settles every pending charge;
-//!   answers `{"settled": n}`.
+//!   answers `{"settled": n}`;
+//! - `POST /charges/script` (`{"customer": "cus_…", "actions": [{"action": "fail_before"},
+//!   {"action": "hold", "ms": 5000}]}`): appends [`Scripted`] actions to the customer's script;
+//!   answers `{"customer": "cus_…", "left": n}`, the actions now waiting. Unknown fields, unknown
+//!   actions and holds above [`crate::MAX_LATENCY_MS`] are refused with 400, and then nothing is
+//!   queued.
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -18,6 +23,7 @@ use http::StatusCode;
 use serde_json::json;
 
 use crate::faults::{FaultCounters, Faults};
+use crate::scripted::Scripted;
 use crate::state::AppState;
 
 /// The admin router.
@@ -27,6 +33,7 @@ pub fn admin_router(state: AppState) -> Router {
         .route("/faults/counters", get(get_counters))
         .route("/keys/forget", post(forget_keys))
         .route("/charges/settle", post(settle_charges))
+        .route("/charges/script", post(script_charges))
         .with_state(state)
 }
 
@@ -100,6 +107,27 @@ async fn settle_charges(State(state): State<AppState>, body: Bytes) -> Response 
     match state.settle_pending_charges(succeeded).await {
         Ok(n) => Json(json!({ "settled": n })).into_response(),
         Err(e) => server_error(&e),
+    }
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Script {
+    customer: String,
+    actions: Vec<Scripted>,
+}
+
+async fn script_charges(State(state): State<AppState>, body: Bytes) -> Response {
+    let script: Script = match serde_json::from_slice(&body) {
+        Ok(script) => script,
+        Err(e) => return bad_request(format!("invalid script: {e}")),
+    };
+    match state.try_script_charges(&script.customer, script.actions) {
+        Ok(left) => {
+            tracing::info!(customer = %script.customer, left, "charges scripted");
+            Json(json!({ "customer": script.customer, "left": left })).into_response()
+        }
+        Err(e) => bad_request(format!("invalid script: {e}")),
     }
 }
 

@@ -51,9 +51,17 @@ async fn unrecognized_url(method: Method, uri: Uri) -> Response {
     ApiError::unrecognized_url(method.as_str(), uri.path()).into_response()
 }
 
-/// Adds `Request-Id: req_…` to every response.
+/// Adds `Request-Id: req_…` to every response the gateway sends (not to an injected
+/// intermediary's answer, which stands for one it never sent).
 async fn request_id(request: Request, next: Next) -> Response {
     let mut response = next.run(request).await;
+    if response
+        .extensions()
+        .get::<charges::NotFromTheGateway>()
+        .is_some()
+    {
+        return response;
+    }
     // Ids are `req_` and ASCII alphanumerics: always a valid header value.
     let id = HeaderValue::from_str(&ids::request()).expect("an ASCII id is a header value");
     response.headers_mut().insert(REQUEST_ID, id);

@@ -7,14 +7,18 @@
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::HeaderMap;
 use http_body_util::{Full, Limited};
+use idempotency::{IdempotencyKey, StoredResponse};
 use serde_json::{json, Value};
 
 use crate::api_error::ApiError;
 use crate::auth::Account;
 use crate::db::{self, Cursor, NewCharge, Page};
-use crate::faults::{AfterCharge, FaultKind, Stored};
+use crate::faults::{
+    AfterCharge, BeforeCharge, FaultKind, IntermediaryAnswer, IntermediaryBody, Plan, Stored,
+};
 use crate::idempotent::{self, Begun, Operation};
 use crate::messages;
 use crate::model::{Charge, MAX_DESCRIPTION_LEN};
@@ -50,14 +54,9 @@ pub(crate) async fn create(
     let key = idempotent::key_from_headers(&headers)?;
     let charge = parse_new_charge(&params)?;
 
-    let plan = state.plan_faults();
-    if plan.conflict_in_flight {
-        state.record_fault(FaultKind::ConflictInFlight);
-        return Err(ApiError::idempotency_key_in_use());
-    }
-    if plan.fail_before_charge {
-        state.record_fault(FaultKind::FailBeforeCharge);
-        return Err(ApiError::server_error());
+    let plan = state.plan_faults(&charge.customer_id);
+    if let Some(before) = plan.before {
+        return answer_before(&state, before);
     }
 
     let params = Value::Object(params);
@@ -65,11 +64,16 @@ pub(crate) async fn create(
         let work = match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await?
         {
             Begun::Run(work) => work,
+            Begun::Replay(stored) => {
+                return Ok(replay(&state, &plan, key.as_ref(), &stored));
+            }
             Begun::Answer(response) => return Ok(response),
         };
         state.pass_gate().await;
+        if let Some(kind) = plan.delay_fault {
+            state.record_fault(kind);
+        }
         if !plan.delay.is_zero() {
-            state.record_fault(plan.held.unwrap_or(FaultKind::Latency));
             tokio::time::sleep(plan.delay).await;
         }
         let op = Operation::CreateCharge {
@@ -88,22 +92,115 @@ pub(crate) async fn create(
             state.record_fault(FaultKind::PendingCharge);
         }
         if outcome.charged {
-            match plan.after_charge {
-                AfterCharge::Respond => {}
-                AfterCharge::Fail => {
-                    state.record_fault(FaultKind::FailAfterCharge);
-                    return Err(ApiError::server_error());
-                }
-                AfterCharge::Drop => {
-                    state.record_fault(FaultKind::DropAfterCharge);
-                    return Ok(aborted_response());
-                }
-            }
+            return deliver_after_charge(&state, plan.after_charge, &outcome.response);
         }
         Ok(idempotency_axum::stored_response(&outcome.response))
     })
     .await
 }
+
+/// The answer of a request struck before it claims its key: nothing is written.
+fn answer_before(state: &AppState, before: BeforeCharge) -> Result<Response, ApiError> {
+    match before {
+        BeforeCharge::Intermediary(answer) => {
+            state.record_fault(FaultKind::IntermediaryBefore);
+            Ok(intermediary_response(answer))
+        }
+        BeforeCharge::ConflictInFlight => {
+            state.record_fault(FaultKind::ConflictInFlight);
+            Err(ApiError::idempotency_key_in_use())
+        }
+        BeforeCharge::FailBefore => {
+            state.record_fault(FaultKind::FailBeforeCharge);
+            Err(ApiError::server_error())
+        }
+        BeforeCharge::ScriptedFailBefore => {
+            state.record_fault(FaultKind::ScriptedFailBefore);
+            Err(ApiError::server_error())
+        }
+    }
+}
+
+/// The replay of the key's stored result, or, under `idempotency_error_on_replay`, Stripe's 400
+/// for a key reused with other parameters in place of a stored charge. Only a stored charge is
+/// struck: the fault stands for a retry whose parameters changed after its first attempt
+/// charged, when the client must find its charge some other way. Stored 500s and declines are
+/// replayed as usual.
+fn replay(
+    state: &AppState,
+    plan: &Plan,
+    key: Option<&IdempotencyKey>,
+    stored: &StoredResponse,
+) -> Response {
+    match key {
+        Some(key) if plan.idempotency_error_on_replay && holds_charge(stored) => {
+            state.record_fault(FaultKind::IdempotencyErrorOnReplay);
+            ApiError::idempotency_mismatch(key.as_str()).into_response()
+        }
+        // `begin` replays only for a key, so `None` does not happen here; a replay not struck
+        // goes as it is.
+        Some(_) | None => idempotency_axum::replayed_response(stored),
+    }
+}
+
+/// Whether a stored response is a charge object (succeeded or pending when stored).
+fn holds_charge(stored: &StoredResponse) -> bool {
+    stored.status == 200
+        && serde_json::from_slice::<Value>(&stored.body)
+            .is_ok_and(|body| body["object"] == "charge")
+}
+
+/// What the client of a request that has just committed a charge receives.
+fn deliver_after_charge(
+    state: &AppState,
+    after_charge: AfterCharge,
+    response: &StoredResponse,
+) -> Result<Response, ApiError> {
+    match after_charge {
+        AfterCharge::Respond => Ok(idempotency_axum::stored_response(response)),
+        AfterCharge::Fail => {
+            state.record_fault(FaultKind::FailAfterCharge);
+            Err(ApiError::server_error())
+        }
+        AfterCharge::Drop => {
+            state.record_fault(FaultKind::DropAfterCharge);
+            Ok(aborted_response())
+        }
+        AfterCharge::Intermediary(answer) => {
+            state.record_fault(FaultKind::IntermediaryAfter);
+            Ok(intermediary_response(answer))
+        }
+    }
+}
+
+/// The answer an intermediary in front of the gateway gives on its own: its status, with a
+/// small HTML page or no body at all. It has none of the gateway's marks (Stripe's error object,
+/// `Idempotent-Replayed`, `Request-Id`), so a client cannot mistake it for Stripe's verdict.
+fn intermediary_response(answer: IntermediaryAnswer) -> Response {
+    let mut response = match answer.body {
+        IntermediaryBody::Html => {
+            let title = format!(
+                "{} {}",
+                answer.status.as_u16(),
+                answer.status.canonical_reason().unwrap_or_default()
+            );
+            let page = format!(
+                "<html>\r\n<head><title>{title}</title></head>\r\n<body>\r\n\
+                 <center><h1>{title}</h1></center>\r\n</body>\r\n</html>\r\n"
+            );
+            ([(CONTENT_TYPE, "text/html")], page).into_response()
+        }
+        IntermediaryBody::Empty => ([(CONTENT_LENGTH, "0")], Body::empty()).into_response(),
+    };
+    *response.status_mut() = answer.status;
+    response.extensions_mut().insert(NotFromTheGateway);
+    response
+}
+
+/// Marks a response the gateway stands for not having sent, so that `crate::app` does not
+/// give it the gateway's `Request-Id`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NotFromTheGateway;
 
 /// A response that never arrives: its body fails on the first read, and hyper then closes the
 /// connection before flushing anything, so the client sees the connection end without a

@@ -37,6 +37,7 @@ pub(crate) async fn create(
         let work = match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await?
         {
             Begun::Run(work) => work,
+            Begun::Replay(stored) => return Ok(idempotency_axum::replayed_response(&stored)),
             Begun::Answer(response) => return Ok(response),
         };
         let op = Operation::CreateCustomer(new);

@@ -1,17 +1,24 @@
 //! Fault injection for `POST /v1/charges`: the failures a payment client must survive.
 //!
 //! Each charge request that passes validation draws a [`Plan`] from the current [`Faults`] and
-//! the seeded random generator, then goes through these points:
+//! the seeded random generator; a scripted action for its customer, if one waits, replaces what
+//! was drawn ([`crate::scripted`]). The request then goes through these points:
 //!
 //! ```text
-//!  validate ─► plan ─► conflict_in_flight? ─► fail_before_charge? ─► claim key ─► latency+jitter
-//!                          409, no write        500, no write                         │
-//!                                                                                     ▼
-//!                                          sticky_500_before_charge? (500 stored, no charge)
-//!                                          sticky_500_after_charge?  (charge + 500 stored)
-//!                                          pending_charges?          (charge stays `pending`)
-//!                                                                                     │
-//!   respond ◄── fail_after_charge? (500) ◄── drop_after_charge? (no response) ◄── commit
+//!  validate ─► plan ─► intermediary_before? ─► conflict_in_flight? ─► fail_before_charge? ─► claim key
+//!  (+ script)          a proxy's 400/404/50x,   409, no write          500, no write              │
+//!                      no write                                                                   │
+//!            ┌─────────────────────────── the key holds a result ◄────────────────────────────────┤
+//!            ▼                                                                     the key is new ▼
+//!  idempotency_error_on_replay? 400 if a charge is stored,          latency+jitter, or a slow,
+//!                               else the replay                     stalled or scripted hold
+//!                                                                                                 │
+//!                                        sticky_500_before_charge? (500 stored, no charge)        │
+//!                                        sticky_500_after_charge?  (charge + 500 stored)          │
+//!                                        pending_charges?          (charge stays `pending`)       │
+//!                                                                                                 ▼
+//!  respond ◄── intermediary_after? ◄── fail_after_charge? (500) ◄── drop_after_charge? ◄────── commit
+//!              (a proxy's answer)                                   (no response)
 //! ```
 //!
 //! Whether a fault's answer is **stored** under the idempotency key decides what a retry with the
@@ -20,30 +27,52 @@
 //!
 //! | fault | charge | stored under the key | a retry with the key gets |
 //! |---|---|---|---|
+//! | `intermediary_before` | no | nothing (the request never reached the gateway) | a fresh run |
 //! | `conflict_in_flight` | no | nothing | a fresh run |
 //! | `fail_before_charge` | no | nothing (the request never began executing) | a fresh run |
 //! | `sticky_500_before_charge` | no | the 500 | the same 500, until the key is forgotten |
 //! | `sticky_500_after_charge` | yes | the 500, in place of the charge | the same 500; only a list finds the charge |
 //! | `fail_after_charge` | yes | the charge | the charge (the 500 was a lost answer) |
 //! | `drop_after_charge` | yes | the charge | the charge (the connection dropped the answer) |
+//! | `intermediary_after` | yes | the charge | the charge (a proxy replaced the answer) |
 //! | `pending_charges` | yes, `pending` | the pending charge | the pending charge; `GET /v1/charges/{id}` tells when it settled |
+//! | `idempotency_error_on_replay` | no new one | nothing more: the first result stays | 400 `idempotency_error` while the fault lasts, then the charge |
+//! | scripted `FailBefore` | no | nothing, as `fail_before_charge` | a fresh run |
+//! | scripted `Hold` | yes, after the hold | the charge | 409 while it is held, then the charge |
 //!
 //! - `latency_ms` plus up to `jitter_ms` is spent while the request holds its idempotency key,
 //!   as a slow gateway would: a duplicate sent meanwhile gets 409, and a client that times out
 //!   leaves a charge that still commits (the work runs in its own task, whatever the client does).
-//! - `fail_after_charge` and `drop_after_charge` strike only a request that has just committed a
-//!   charge and stored it. Replays and declines are never struck, so a client that retries with
-//!   its key converges even with a probability of 1. The sticky 500s, by design, never converge
-//!   under their key: the client must find out what happened by listing charges.
+//! - `fail_after_charge`, `drop_after_charge` and `intermediary_after` strike only a request that
+//!   has just committed a charge and stored it; when several are drawn, the drop wins, then the
+//!   500, then the intermediary. Replays and declines are never struck, so a client that retries
+//!   with its key converges even with a probability of 1. The sticky 500s, by design, never
+//!   converge under their key: the client must find out what happened by listing charges.
+//! - An intermediary's answer ([`IntermediaryAnswer`]) is what a load balancer or proxy in front
+//!   of Stripe sends on its own: 400, 404, 502, 503 or 504, with a small HTML page or no body at
+//!   all. It never carries Stripe's error object, `Idempotent-Replayed` or `Request-Id`, so a
+//!   client that reads every non-2xx as Stripe's verdict is caught out: before the gateway
+//!   (`intermediary_before`) nothing happened, after it (`intermediary_after`) the charge was made,
+//!   and the answer looks the same. Only a retry with the key tells.
+//! - `idempotency_error_on_replay` answers a retry whose key holds a stored charge (succeeded,
+//!   pending or failed since) with Stripe's 400 for a key reused with other parameters, as when a
+//!   deploy changed what a retry sends (a charge's description) while its keys were unfinished.
+//!   Stored 500s and declines are replayed as usual.
 //!
 //! The draws of one request happen together under the lock, in a fixed order, so a given `seed`
-//! and a given order of requests always yield the same faults.
+//! and a given order of requests always yield the same faults. The draws of the later fault
+//! kinds (the intermediaries, `idempotency_error_on_replay`) come from a second generator
+//! seeded from the same seed, so that adding them left unchanged the faults an existing seed
+//! gives for the earlier kinds.
 
 use std::time::Duration;
 
+use http::StatusCode;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
+
+use crate::scripted::{InvalidScript, Scripted, Scripts};
 
 /// The largest `latency_ms + jitter_ms` accepted.
 ///
@@ -92,6 +121,16 @@ pub struct Faults {
     /// Create the charge with status `pending` (not paid). It stays pending until it is settled
     /// ([`crate::AppState::settle_pending_charges`], `POST /charges/settle` on the admin API).
     pub pending_charges: f64,
+    /// Answer as an intermediary in front of the gateway would on its own: 400, 404, 502, 503
+    /// or 504, with a small HTML page or no body, never Stripe's error object. The request never
+    /// reaches the gateway, so nothing is charged, written or stored under the key.
+    pub intermediary_before: f64,
+    /// Commit the charge and its idempotent response, then deliver an intermediary's answer in
+    /// place of the response, as a proxy that lost the gateway's answer would.
+    pub intermediary_after: f64,
+    /// Answer a request whose key holds a stored charge with 400 `idempotency_error` (the key
+    /// reused with other parameters) instead of the replay; nothing is written.
+    pub idempotency_error_on_replay: f64,
     /// Seeds the generator for reproducible runs; `None` seeds it from the operating system.
     /// Setting faults reseeds, so the same faults and seed replay the same sequence.
     pub seed: Option<u64>,
@@ -134,6 +173,12 @@ impl Faults {
             ("pending_charges", self.pending_charges),
             ("slow_charges", self.slow_charges),
             ("stalled_charges", self.stalled_charges),
+            ("intermediary_before", self.intermediary_before),
+            ("intermediary_after", self.intermediary_after),
+            (
+                "idempotency_error_on_replay",
+                self.idempotency_error_on_replay,
+            ),
         ] {
             // `contains` is false for NaN, which is refused with the rest.
             if !(0.0..=1.0).contains(&value) {
@@ -175,6 +220,16 @@ pub struct FaultCounters {
     pub slow_charges: u64,
     /// Charges held `stalled_ms` more.
     pub stalled_charges: u64,
+    /// Intermediary answers given in place of the gateway, before any write.
+    pub intermediary_before: u64,
+    /// Intermediary answers delivered in place of a committed charge.
+    pub intermediary_after: u64,
+    /// 400 `idempotency_error`s answered in place of the replay of a stored charge.
+    pub idempotency_error_on_replay: u64,
+    /// 500s answered before writing because a scripted `FailBefore` said so.
+    pub scripted_fail_before: u64,
+    /// Scripted holds, counted when they start.
+    pub scripted_holds: u64,
     /// Charges refused because their customer was deleted (a permanent refusal).
     pub refused: u64,
     /// Idempotency keys the gateway forgot (their window passed, or it was told to).
@@ -194,6 +249,11 @@ pub(crate) enum FaultKind {
     PendingCharge,
     SlowCharge,
     StalledCharge,
+    IntermediaryBefore,
+    IntermediaryAfter,
+    IdempotencyErrorOnReplay,
+    ScriptedFailBefore,
+    ScriptedHold,
     Refused,
 }
 
@@ -217,45 +277,153 @@ pub(crate) enum AfterCharge {
     Fail,
     /// Abort the connection.
     Drop,
+    /// Deliver an intermediary's answer instead.
+    Intermediary(IntermediaryAnswer),
+}
+
+/// What answers a charge request before it claims its key, instead of the gateway's run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BeforeCharge {
+    /// An intermediary in front of the gateway (`intermediary_before`).
+    Intermediary(IntermediaryAnswer),
+    /// 409 as if the key were in flight (`conflict_in_flight`).
+    ConflictInFlight,
+    /// 500 before anything is written (`fail_before_charge`).
+    FailBefore,
+    /// 500 before anything is written, as a script said ([`Scripted::FailBefore`]).
+    ScriptedFailBefore,
+}
+
+/// The statuses an intermediary answers with on its own: a proxy that cannot parse or route the
+/// request (400, 404, as during a bad deploy of its configuration), or that cannot reach the
+/// gateway or gave up waiting for it (502, 503, 504).
+pub(crate) const INTERMEDIARY_STATUSES: [StatusCode; 5] = [
+    StatusCode::BAD_REQUEST,
+    StatusCode::NOT_FOUND,
+    StatusCode::BAD_GATEWAY,
+    StatusCode::SERVICE_UNAVAILABLE,
+    StatusCode::GATEWAY_TIMEOUT,
+];
+
+/// An answer an intermediary in front of the gateway gives on its own: one of
+/// [`INTERMEDIARY_STATUSES`] and one of two body forms, never Stripe's error object.
+/// `crate::charges` turns it into a response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct IntermediaryAnswer {
+    pub(crate) status: StatusCode,
+    pub(crate) body: IntermediaryBody,
+}
+
+/// The body of an [`IntermediaryAnswer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IntermediaryBody {
+    /// A small `text/html` page naming the status, as nginx sends.
+    Html,
+    /// No body at all (`content-length: 0`, no `content-type`).
+    Empty,
+}
+
+impl IntermediaryAnswer {
+    /// Draws a status and a body form: two draws, whatever they give.
+    fn draw(rng: &mut StdRng) -> Self {
+        let status = INTERMEDIARY_STATUSES[rng.random_range(0..INTERMEDIARY_STATUSES.len())];
+        let body = if rng.random::<bool>() {
+            IntermediaryBody::Html
+        } else {
+            IntermediaryBody::Empty
+        };
+        Self { status, body }
+    }
 }
 
 /// The faults drawn for one charge request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Plan {
-    pub(crate) conflict_in_flight: bool,
-    pub(crate) fail_before_charge: bool,
-    /// The latency, and the hold of a slow or stalled charge.
+    /// The answer given before the key is claimed, if any.
+    pub(crate) before: Option<BeforeCharge>,
+    /// The latency, and the hold of a slow, stalled or scripted charge.
     pub(crate) delay: Duration,
-    /// The charge is held as slow or stalled (part of `delay`).
-    pub(crate) held: Option<FaultKind>,
+    /// The fault the delay is counted as (`Latency`, or the kind of hold); `None` when nothing
+    /// is to be counted. A scripted hold is counted even when it is 0 ms: it was asked for.
+    pub(crate) delay_fault: Option<FaultKind>,
     pub(crate) stored: Stored,
     pub(crate) pending: bool,
     pub(crate) after_charge: AfterCharge,
+    /// A replay of a stored charge is answered 400 `idempotency_error` instead.
+    pub(crate) idempotency_error_on_replay: bool,
 }
 
-/// The faults, their generator and their counters, kept together behind one lock.
+impl Plan {
+    /// The plan a scripted action makes: the action alone, whatever was drawn.
+    fn scripted(action: Scripted) -> Self {
+        let quiet = Self {
+            before: None,
+            delay: Duration::ZERO,
+            delay_fault: None,
+            stored: Stored::Outcome,
+            pending: false,
+            after_charge: AfterCharge::Respond,
+            idempotency_error_on_replay: false,
+        };
+        match action {
+            Scripted::FailBefore => Self {
+                before: Some(BeforeCharge::ScriptedFailBefore),
+                ..quiet
+            },
+            Scripted::Hold { ms } => Self {
+                delay: Duration::from_millis(ms),
+                delay_fault: Some(FaultKind::ScriptedHold),
+                ..quiet
+            },
+        }
+    }
+}
+
+/// The faults, their generators, the scripts and the counters, kept together behind one lock.
 #[derive(Debug)]
 pub(crate) struct FaultState {
     faults: Faults,
+    /// The generator of the first fault kinds' draws.
     rng: StdRng,
+    /// The generator of the draws of the kinds added later, so that adding them did not shift
+    /// the sequence `rng` gives for a seed.
+    later_rng: StdRng,
+    scripts: Scripts,
     counters: FaultCounters,
 }
 
 impl FaultState {
     /// A state for already validated faults.
     pub(crate) fn new(faults: Faults) -> Self {
-        let rng = rng_for(&faults);
+        let (rng, later_rng) = rngs_for(&faults);
         Self {
             faults,
             rng,
+            later_rng,
+            scripts: Scripts::default(),
             counters: FaultCounters::default(),
         }
     }
 
-    /// Replaces the faults and reseeds the generator; the counters keep counting.
+    /// Replaces the faults and reseeds the generators; the counters keep counting, and the
+    /// scripts keep waiting.
     pub(crate) fn set(&mut self, faults: Faults) {
-        self.rng = rng_for(&faults);
+        (self.rng, self.later_rng) = rngs_for(&faults);
         self.faults = faults;
+    }
+
+    /// Appends actions to a customer's script; returns how many wait for it now.
+    pub(crate) fn script(
+        &mut self,
+        customer: &str,
+        actions: Vec<Scripted>,
+    ) -> Result<usize, InvalidScript> {
+        self.scripts.append(customer, actions)
+    }
+
+    /// How many scripted actions wait for a customer.
+    pub(crate) fn scripted_left(&self, customer: &str) -> usize {
+        self.scripts.left(customer)
     }
 
     pub(crate) fn faults(&self) -> &Faults {
@@ -264,6 +432,17 @@ impl FaultState {
 
     pub(crate) fn counters(&self) -> FaultCounters {
         self.counters
+    }
+
+    /// The plan of one charge request of `customer`: the faults drawn, or in their place the
+    /// first action of the customer's script, if one waits. The draws are made either way, so
+    /// that a script does not shift the seeded sequence of the other requests.
+    pub(crate) fn plan_for(&mut self, customer: &str) -> Plan {
+        let drawn = self.plan();
+        match self.scripts.pop(customer) {
+            Some(action) => Plan::scripted(action),
+            None => drawn,
+        }
     }
 
     /// Draws the faults of one request. Every draw is made whatever the earlier ones gave, so
@@ -282,6 +461,24 @@ impl FaultState {
         let pending = rng.random::<f64>() < f.pending_charges;
         let slow = rng.random::<f64>() < f.slow_charges;
         let stalled = rng.random::<f64>() < f.stalled_charges;
+        // The later kinds, from their own generator, in a fixed order; the intermediary's answer
+        // is drawn whether or not an intermediary strikes.
+        let later = &mut self.later_rng;
+        let intermediary_before = later.random::<f64>() < f.intermediary_before;
+        let intermediary_after = later.random::<f64>() < f.intermediary_after;
+        let idempotency_error_on_replay = later.random::<f64>() < f.idempotency_error_on_replay;
+        let intermediary = IntermediaryAnswer::draw(later);
+
+        let before = if intermediary_before {
+            // The intermediary stands in front of the gateway: its answer comes first.
+            Some(BeforeCharge::Intermediary(intermediary))
+        } else if conflict_in_flight {
+            Some(BeforeCharge::ConflictInFlight)
+        } else if fail_before_charge {
+            Some(BeforeCharge::FailBefore)
+        } else {
+            None
+        };
         let (held, hold_ms) = if stalled {
             (Some(FaultKind::StalledCharge), f.stalled_ms)
         } else if slow {
@@ -300,17 +497,21 @@ impl FaultState {
             AfterCharge::Drop
         } else if fail_after_charge {
             AfterCharge::Fail
+        } else if intermediary_after {
+            AfterCharge::Intermediary(intermediary)
         } else {
             AfterCharge::Respond
         };
+        let delay = Duration::from_millis(f.latency_ms + jitter + hold_ms);
         Plan {
-            conflict_in_flight,
-            fail_before_charge,
-            delay: Duration::from_millis(f.latency_ms + jitter + hold_ms),
-            held,
+            before,
+            delay,
+            // A delay of zero is not counted, not even a slow charge's of `slow_ms: 0`.
+            delay_fault: (!delay.is_zero()).then(|| held.unwrap_or(FaultKind::Latency)),
             stored,
             pending,
             after_charge,
+            idempotency_error_on_replay,
         }
     }
 
@@ -333,16 +534,29 @@ impl FaultState {
             FaultKind::PendingCharge => &mut c.pending_charges,
             FaultKind::SlowCharge => &mut c.slow_charges,
             FaultKind::StalledCharge => &mut c.stalled_charges,
+            FaultKind::IntermediaryBefore => &mut c.intermediary_before,
+            FaultKind::IntermediaryAfter => &mut c.intermediary_after,
+            FaultKind::IdempotencyErrorOnReplay => &mut c.idempotency_error_on_replay,
+            FaultKind::ScriptedFailBefore => &mut c.scripted_fail_before,
+            FaultKind::ScriptedHold => &mut c.scripted_holds,
             FaultKind::Refused => &mut c.refused,
         };
         *counter += 1;
     }
 }
 
-fn rng_for(faults: &Faults) -> StdRng {
+/// Mixed into the seed of the later kinds' generator, so that its stream is not the first
+/// generator's. Any fixed constant would do; this one is the 64-bit golden ratio.
+const LATER_SEED_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// The two generators of a setting: the first kinds' and the later kinds'.
+fn rngs_for(faults: &Faults) -> (StdRng, StdRng) {
     match faults.seed {
-        Some(seed) => StdRng::seed_from_u64(seed),
-        None => StdRng::from_os_rng(),
+        Some(seed) => (
+            StdRng::seed_from_u64(seed),
+            StdRng::seed_from_u64(seed ^ LATER_SEED_MIX),
+        ),
+        None => (StdRng::from_os_rng(), StdRng::from_os_rng()),
     }
 }
 
@@ -412,8 +626,10 @@ mod tests {
         a.set(faults);
         assert_eq!(first, draw(&mut a));
         // And the draws are not all alike, so the comparison above means something.
-        assert!(first.iter().any(|p| p.fail_before_charge));
-        assert!(first.iter().any(|p| !p.fail_before_charge));
+        assert!(first
+            .iter()
+            .any(|p| p.before == Some(BeforeCharge::FailBefore)));
+        assert!(first.iter().any(|p| p.before.is_none()));
     }
 
     #[test]
@@ -425,7 +641,7 @@ mod tests {
         });
         for _ in 0..100 {
             let plan = state.plan();
-            assert!(!plan.conflict_in_flight && !plan.fail_before_charge);
+            assert_eq!(plan.before, None);
             assert_eq!(plan.after_charge, AfterCharge::Fail);
             assert_eq!(plan.delay, Duration::from_millis(5));
         }
@@ -443,7 +659,7 @@ mod tests {
         });
         // Both drawn: the stall wins, and its time is added to the latency.
         let plan = stalled.plan();
-        assert_eq!(plan.held, Some(FaultKind::StalledCharge));
+        assert_eq!(plan.delay_fault, Some(FaultKind::StalledCharge));
         assert_eq!(plan.delay, Duration::from_millis(305));
         let mut slow = FaultState::new(Faults {
             slow_charges: 1.0,
@@ -452,7 +668,7 @@ mod tests {
             ..Faults::none()
         });
         let plan = slow.plan();
-        assert_eq!(plan.held, Some(FaultKind::SlowCharge));
+        assert_eq!(plan.delay_fault, Some(FaultKind::SlowCharge));
         assert_eq!(plan.delay, Duration::from_millis(100));
         slow.record(FaultKind::SlowCharge);
         assert_eq!(
@@ -474,6 +690,198 @@ mod tests {
     }
 
     #[test]
+    fn later_probabilities_are_validated_by_name() {
+        let faults = |field: &str, p: f64| match field {
+            "intermediary_before" => Faults {
+                intermediary_before: p,
+                ..Faults::none()
+            },
+            "intermediary_after" => Faults {
+                intermediary_after: p,
+                ..Faults::none()
+            },
+            "idempotency_error_on_replay" => Faults {
+                idempotency_error_on_replay: p,
+                ..Faults::none()
+            },
+            other => unreachable!("no such field in this test: {other}"),
+        };
+        for field in [
+            "intermediary_before",
+            "intermediary_after",
+            "idempotency_error_on_replay",
+        ] {
+            assert_eq!(faults(field, 1.0).validate(), Ok(()));
+            for bad in [1.01, -1.0, f64::NAN] {
+                assert!(
+                    matches!(
+                        faults(field, bad).validate(),
+                        Err(InvalidFaults::Probability { name, .. }) if name == field
+                    ),
+                    "{field} = {bad} should be refused"
+                );
+            }
+        }
+    }
+
+    /// The plans the earlier kinds gave for seed 7 before the later kinds were added, recorded
+    /// then: (conflict_in_flight, fail_before_charge, delay ms, after-charge, pending).
+    const SEED_7_BEFORE_THE_LATER_KINDS: [(bool, bool, u64, AfterCharge, bool); 12] = [
+        (true, false, 27, AfterCharge::Drop, true),
+        (false, true, 63, AfterCharge::Drop, false),
+        (false, false, 23, AfterCharge::Respond, false),
+        (false, false, 56, AfterCharge::Respond, false),
+        (false, false, 46, AfterCharge::Drop, true),
+        (false, true, 16, AfterCharge::Respond, false),
+        (false, false, 3, AfterCharge::Respond, false),
+        (false, false, 40, AfterCharge::Respond, true),
+        (false, false, 42, AfterCharge::Drop, true),
+        (true, true, 99, AfterCharge::Respond, true),
+        (false, false, 0, AfterCharge::Respond, false),
+        (true, false, 92, AfterCharge::Fail, true),
+    ];
+
+    #[test]
+    fn the_later_kinds_leave_the_earlier_kinds_seeded_sequence_unchanged() {
+        let mut state = FaultState::new(Faults {
+            jitter_ms: 100,
+            conflict_in_flight: 0.2,
+            fail_before_charge: 0.3,
+            drop_after_charge: 0.3,
+            fail_after_charge: 0.3,
+            pending_charges: 0.5,
+            // Drawn on every request, but from the later generator.
+            idempotency_error_on_replay: 0.5,
+            seed: Some(7),
+            ..Faults::none()
+        });
+        for (i, (conflict, fail_before, delay_ms, after_charge, pending)) in
+            SEED_7_BEFORE_THE_LATER_KINDS.into_iter().enumerate()
+        {
+            let plan = state.plan();
+            let before = if conflict {
+                Some(BeforeCharge::ConflictInFlight)
+            } else if fail_before {
+                Some(BeforeCharge::FailBefore)
+            } else {
+                None
+            };
+            assert_eq!(
+                (plan.before, plan.delay, plan.after_charge, plan.pending),
+                (
+                    before,
+                    Duration::from_millis(delay_ms),
+                    after_charge,
+                    pending
+                ),
+                "request {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn intermediary_answers_draw_every_status_and_both_bodies() {
+        let mut state = FaultState::new(Faults {
+            intermediary_before: 1.0,
+            seed: Some(11),
+            ..Faults::none()
+        });
+        let mut statuses = std::collections::BTreeSet::new();
+        let mut bodies = Vec::new();
+        for _ in 0..200 {
+            match state.plan().before {
+                Some(BeforeCharge::Intermediary(answer)) => {
+                    assert!(INTERMEDIARY_STATUSES.contains(&answer.status));
+                    statuses.insert(answer.status);
+                    if !bodies.contains(&answer.body) {
+                        bodies.push(answer.body);
+                    }
+                }
+                other => panic!("expected an intermediary, got {other:?}"),
+            }
+        }
+        assert_eq!(statuses.len(), INTERMEDIARY_STATUSES.len());
+        assert_eq!(bodies.len(), 2, "both an HTML page and an empty body");
+    }
+
+    #[test]
+    fn the_intermediary_before_comes_first_and_after_the_charge_comes_last() {
+        let mut everything = FaultState::new(Faults {
+            intermediary_before: 1.0,
+            conflict_in_flight: 1.0,
+            fail_before_charge: 1.0,
+            intermediary_after: 1.0,
+            fail_after_charge: 1.0,
+            drop_after_charge: 1.0,
+            ..Faults::none()
+        });
+        let plan = everything.plan();
+        assert!(matches!(plan.before, Some(BeforeCharge::Intermediary(_))));
+        assert_eq!(plan.after_charge, AfterCharge::Drop);
+
+        let mut fail_and_intermediary = FaultState::new(Faults {
+            fail_after_charge: 1.0,
+            intermediary_after: 1.0,
+            ..Faults::none()
+        });
+        assert_eq!(fail_and_intermediary.plan().after_charge, AfterCharge::Fail);
+
+        let mut intermediary_only = FaultState::new(Faults {
+            intermediary_after: 1.0,
+            ..Faults::none()
+        });
+        let plan = intermediary_only.plan();
+        assert_eq!(plan.before, None);
+        assert!(matches!(plan.after_charge, AfterCharge::Intermediary(_)));
+    }
+
+    #[test]
+    fn a_scripted_action_replaces_the_draws_without_shifting_the_sequence() {
+        let faults = Faults {
+            jitter_ms: 100,
+            fail_before_charge: 0.5,
+            intermediary_after: 0.5,
+            seed: Some(3),
+            ..Faults::none()
+        };
+        let mut reference = FaultState::new(faults.clone());
+        let expected: Vec<Plan> = (0..4).map(|_| reference.plan()).collect();
+
+        let mut state = FaultState::new(faults);
+        state
+            .script(
+                "cus_a",
+                vec![Scripted::FailBefore, Scripted::Hold { ms: 7 }],
+            )
+            .unwrap();
+        // Another customer's request draws as usual, and leaves the script alone.
+        assert_eq!(state.plan_for("cus_b"), expected[0]);
+        assert_eq!(state.scripted_left("cus_a"), 2);
+        assert_eq!(
+            state.plan_for("cus_a"),
+            Plan::scripted(Scripted::FailBefore)
+        );
+        let hold = state.plan_for("cus_a");
+        assert_eq!(
+            (hold.before, hold.delay, hold.delay_fault, hold.after_charge),
+            (
+                None,
+                Duration::from_millis(7),
+                Some(FaultKind::ScriptedHold),
+                AfterCharge::Respond
+            )
+        );
+        assert_eq!(state.scripted_left("cus_a"), 0);
+        // The scripted requests drew too: the next request gets the fourth plan.
+        assert_eq!(state.plan_for("cus_a"), expected[3]);
+        // A scripted hold of 0 ms is still counted as a hold.
+        assert_eq!(
+            Plan::scripted(Scripted::Hold { ms: 0 }).delay_fault,
+            Some(FaultKind::ScriptedHold)
+        );
+    }
+
+    #[test]
     fn json_fields_are_optional_and_unknown_ones_refused() {
         let faults: Faults = serde_json::from_str(r#"{"drop_after_charge": 1}"#).unwrap();
         assert_eq!(
@@ -484,5 +892,19 @@ mod tests {
             }
         );
         assert!(serde_json::from_str::<Faults>(r#"{"drop_after_charg": 1}"#).is_err());
+        let later: Faults = serde_json::from_str(
+            r#"{"intermediary_before": 0.25, "intermediary_after": 0.5,
+                "idempotency_error_on_replay": 1}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            later,
+            Faults {
+                intermediary_before: 0.25,
+                intermediary_after: 0.5,
+                idempotency_error_on_replay: 1.0,
+                ..Faults::none()
+            }
+        );
     }
 }

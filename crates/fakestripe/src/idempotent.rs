@@ -119,7 +119,10 @@ impl From<idempotency::Error> for Failure {
 pub(crate) enum Begun {
     /// Run the operation.
     Run(Work),
-    /// Answer at once: a replay, or a refusal.
+    /// The key holds this result: replay it ([`idempotency_axum::replayed_response`]), unless an
+    /// injected fault answers in its place (`idempotency_error_on_replay`, [`crate::faults`]).
+    Replay(StoredResponse),
+    /// Answer at once: a refusal (other parameters, or the key in use).
     Answer(Response),
 }
 
@@ -165,7 +168,7 @@ pub(crate) async fn begin(
     };
     Ok(match claim {
         Claim::Acquired(lease) => Begun::Run(Work::Resumed(lease)),
-        Claim::Replay(stored) => Begun::Answer(idempotency_axum::replayed_response(&stored)),
+        Claim::Replay(stored) => Begun::Replay(stored),
         Claim::Mismatch => Begun::Answer(axum::response::IntoResponse::into_response(
             ApiError::idempotency_mismatch(key.as_str()),
         )),

@@ -16,6 +16,7 @@
 //! | charges and customers as Stripe shows them | `model.rs` |
 //! | the customer and charge endpoints, list pagination | `customers.rs`, `charges.rs` |
 //! | injected faults | `faults.rs` |
+//! | faults scripted for one customer's next charges | `scripted.rs` |
 //! | every SQL statement, the schema and migrations | `db.rs`, `migrations/` |
 //! | the shared state, the gateway's key retention | `state.rs` |
 //! | the routers and the server, on top | `app.rs`, `admin.rs` |
@@ -25,8 +26,10 @@
 //!
 //! `POST /v1/customers`, `GET|DELETE /v1/customers/{id}`, `POST /v1/charges`,
 //! `GET /v1/charges/{id}`, `GET /v1/charges` on the Stripe router; `GET|PUT /faults`,
-//! `GET /faults/counters`, `POST /keys/forget` and `POST /charges/settle` on the admin router,
-//! served on another listener. Every Stripe response carries `Request-Id`.
+//! `GET /faults/counters`, `POST /keys/forget`, `POST /charges/settle` and `POST /charges/script`
+//! on the admin router, served on another listener. Every response of the gateway carries
+//! `Request-Id`; an injected intermediary's answer, which stands for one the gateway never
+//! sent, does not.
 //!
 //! # Idempotency
 //!
@@ -59,6 +62,7 @@ mod ids;
 pub mod messages;
 mod model;
 mod params;
+mod scripted;
 mod state;
 mod tls;
 
@@ -72,5 +76,6 @@ pub use db::{
 pub use error::Error;
 pub use faults::{FaultCounters, Faults, InvalidFaults, MAX_LATENCY_MS};
 pub use model::Charge;
+pub use scripted::{InvalidScript, Scripted, MAX_SCRIPTED_ACTIONS};
 pub use state::{forget_expired_keys, AppState, DEFAULT_IDEMPOTENCY_KEY_TTL, LEASE_TTL};
 pub use tls::{serve_tls, server_config, HANDSHAKE_TIMEOUT};

@@ -105,6 +105,24 @@ struct FaultArgs {
     #[arg(long, env = "FAKESTRIPE_PENDING_CHARGES", default_value_t = 0.0)]
     pending_charges: f64,
 
+    /// Probability of an intermediary's own answer (400/404/502/503/504, HTML or empty) in place
+    /// of the gateway's, before anything is written.
+    #[arg(long, env = "FAKESTRIPE_INTERMEDIARY_BEFORE", default_value_t = 0.0)]
+    intermediary_before: f64,
+
+    /// Probability of an intermediary's own answer in place of the response, after the charge is
+    /// committed.
+    #[arg(long, env = "FAKESTRIPE_INTERMEDIARY_AFTER", default_value_t = 0.0)]
+    intermediary_after: f64,
+
+    /// Probability of a 400 `idempotency_error` in place of the replay of a stored charge.
+    #[arg(
+        long,
+        env = "FAKESTRIPE_IDEMPOTENCY_ERROR_ON_REPLAY",
+        default_value_t = 0.0
+    )]
+    idempotency_error_on_replay: f64,
+
     /// Probability of a charge held `--slow-ms` more while its key is in use.
     #[arg(long, env = "FAKESTRIPE_SLOW_CHARGES", default_value_t = 0.0)]
     slow_charges: f64,
@@ -138,6 +156,9 @@ impl From<FaultArgs> for Faults {
             sticky_500_before_charge: a.sticky_500_before_charge,
             sticky_500_after_charge: a.sticky_500_after_charge,
             pending_charges: a.pending_charges,
+            intermediary_before: a.intermediary_before,
+            intermediary_after: a.intermediary_after,
+            idempotency_error_on_replay: a.idempotency_error_on_replay,
             slow_charges: a.slow_charges,
             slow_ms: a.slow_ms,
             stalled_charges: a.stalled_charges,

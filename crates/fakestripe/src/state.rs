@@ -1,5 +1,5 @@
-//! The gateway's shared state: the database, the idempotency store, the faults and their
-//! counters, and the test gate; and the gateway's own key retention.
+//! The gateway's shared state: the database, the idempotency store, the faults, the scripted
+//! charges and the counters, and the test gate; and the gateway's own key retention.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -12,6 +12,7 @@ use sqlx::PgPool;
 
 use crate::api_error::ApiError;
 use crate::faults::{FaultCounters, FaultKind, FaultState, Faults, InvalidFaults, Plan};
+use crate::scripted::{InvalidScript, Scripted};
 
 /// How long a request holds its idempotency key before another request may take it over.
 ///
@@ -53,7 +54,8 @@ pub struct AppState {
 struct Inner {
     pool: PgPool,
     store: Store,
-    /// Held only to read or draw, never across an await.
+    /// The faults, the scripts and the counters. Held only to read, draw or append, never
+    /// across an await.
     faults: Mutex<FaultState>,
     /// Open (true) unless a test holds charges at the gate; see [`AppState::hold_charges`].
     gate: tokio::sync::watch::Sender<bool>,
@@ -150,6 +152,34 @@ impl AppState {
         self.lock_faults().counters()
     }
 
+    /// Appends actions to `customer`'s script: each of its next charges that pass validation
+    /// takes the first action left, in place of the faults drawn for it ([`Scripted`]).
+    ///
+    /// # Panics
+    ///
+    /// If an action is out of range or the queue would grow too long;
+    /// [`AppState::try_script_charges`] returns the error instead.
+    pub fn script_charges(&self, customer: &str, actions: Vec<Scripted>) {
+        if let Err(e) = self.try_script_charges(customer, actions) {
+            panic!("invalid script: {e}");
+        }
+    }
+
+    /// Appends actions to `customer`'s script if every one is valid (otherwise none is), and
+    /// returns how many wait for the customer now.
+    pub fn try_script_charges(
+        &self,
+        customer: &str,
+        actions: Vec<Scripted>,
+    ) -> Result<usize, InvalidScript> {
+        self.lock_faults().script(customer, actions)
+    }
+
+    /// How many scripted actions wait for `customer`.
+    pub fn scripted_left(&self, customer: &str) -> usize {
+        self.lock_faults().scripted_left(customer)
+    }
+
     /// Holds every charge that has claimed its key, before it commits, until
     /// [`AppState::release_charges`]: a test signal, so that "the gateway is slow" or "the
     /// gateway charges after the caller gave up" is a state a test sets, not a race it wins.
@@ -211,9 +241,9 @@ impl AppState {
         &self.inner.store
     }
 
-    /// Draws the faults of one charge request.
-    pub(crate) fn plan_faults(&self) -> Plan {
-        self.lock_faults().plan()
+    /// The faults of one charge request of `customer`: drawn, or scripted.
+    pub(crate) fn plan_faults(&self, customer: &str) -> Plan {
+        self.lock_faults().plan_for(customer)
     }
 
     /// Counts one injected fault.

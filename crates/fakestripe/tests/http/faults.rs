@@ -1,6 +1,7 @@
 //! Injected faults on `POST /v1/charges`, set through the library and through the admin API.
 
-use fakestripe::{FaultCounters, Faults};
+use fakestripe::{messages, FaultCounters, Faults, Scripted};
+use reqwest::Method;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -239,6 +240,145 @@ async fn admin_api_sets_validates_and_counts_faults(_: PgPoolOptions, options: P
         counters,
         FaultCounters {
             fail_before_charge: 1,
+            ..FaultCounters::default()
+        }
+    );
+    gw.stop().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn idempotency_error_on_replay_strikes_only_keys_that_hold_a_charge(
+    _: PgPoolOptions,
+    options: PgConnectOptions,
+) {
+    let gw = Gateway::start(options).await;
+    let customer = gw.customer("tok_visa").await;
+    let declining = gw.customer("tok_chargeCustomerFail").await;
+
+    // Keys holding a succeeded charge, a pending one (since failed), a decline and a sticky 500.
+    let first = gw.charge(Some("ie-1"), &customer, 2000).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    gw.state.set_faults(Faults {
+        pending_charges: 1.0,
+        ..Faults::none()
+    });
+    let pending = gw.charge(Some("ie-pending"), &customer, 2000).await;
+    assert_eq!(pending.json()["status"], "pending", "{}", pending.text);
+    gw.state.settle_pending_charges(false).await.unwrap();
+    gw.state.set_faults(Faults {
+        sticky_500_before_charge: 1.0,
+        ..Faults::none()
+    });
+    gw.charge(Some("ie-500"), &customer, 2000)
+        .await
+        .stripe_error(500, "api_error");
+    gw.state.set_faults(Faults::none());
+    gw.charge(Some("ie-decline"), &declining, 2000)
+        .await
+        .stripe_error(402, "card_error");
+    let keys = gw.key_rows().await;
+
+    gw.state.set_faults(Faults {
+        idempotency_error_on_replay: 1.0,
+        ..Faults::none()
+    });
+    for key in ["ie-1", "ie-pending"] {
+        // The same parameters as the first request: only the fault makes it a mismatch.
+        let retry = gw.charge(Some(key), &customer, 2000).await;
+        let error = retry.stripe_error(400, "idempotency_error");
+        assert_eq!(error["message"], messages::idempotency_mismatch(key));
+        assert!(!retry.replayed());
+    }
+    assert_eq!(gw.charge_count().await, 2, "no charge was added");
+    assert_eq!(gw.key_rows().await, keys, "nothing was written");
+    assert_eq!(gw.state.counters().idempotency_error_on_replay, 2);
+
+    // A stored 500 and a stored decline replay as usual.
+    let sticky = gw.charge(Some("ie-500"), &customer, 2000).await;
+    sticky.stripe_error(500, "api_error");
+    assert!(sticky.replayed());
+    let decline = gw.charge(Some("ie-decline"), &declining, 2000).await;
+    decline.stripe_error(402, "card_error");
+    assert!(decline.replayed());
+    // A fresh key has no charge to protect: it charges.
+    let fresh = gw.charge(Some("ie-2"), &customer, 2000).await;
+    assert_eq!(fresh.status, 200, "{}", fresh.text);
+    assert!(!fresh.replayed());
+    assert_eq!(gw.charge_count().await, 3);
+    assert_eq!(gw.state.counters().idempotency_error_on_replay, 2);
+
+    // The key was left as it was: without the fault it replays its charge.
+    gw.state.set_faults(Faults::none());
+    let replay = gw.charge(Some("ie-1"), &customer, 2000).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.text, first.text);
+    gw.stop().await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn admin_counters_name_the_intermediary_replay_and_scripted_faults(
+    _: PgPoolOptions,
+    options: PgConnectOptions,
+) {
+    let gw = Gateway::start(options).await;
+    let customer = gw.customer("tok_visa").await;
+    let set = |faults: &'static str| {
+        let gw = &gw;
+        async move {
+            let reply = gw.admin_send(Method::PUT, "/faults", faults).await;
+            assert_eq!(reply.status, 200, "{faults}: {}", reply.text);
+        }
+    };
+
+    set(r#"{"intermediary_before": 1}"#).await;
+    gw.charge(Some("cn-0"), &customer, 2000)
+        .await
+        .intermediary();
+    set(r#"{"intermediary_after": 1}"#).await;
+    gw.charge(Some("cn-1"), &customer, 2000)
+        .await
+        .intermediary();
+    set(r#"{"idempotency_error_on_replay": 1}"#).await;
+    gw.charge(Some("cn-1"), &customer, 2000)
+        .await
+        .stripe_error(400, "idempotency_error");
+    set("{}").await;
+    gw.state.script_charges(
+        &customer,
+        vec![Scripted::FailBefore, Scripted::Hold { ms: 0 }],
+    );
+    gw.charge(Some("cn-2"), &customer, 2000)
+        .await
+        .stripe_error(500, "api_error");
+    assert_eq!(gw.charge(Some("cn-2"), &customer, 2000).await.status, 200);
+
+    let reply = Reply::read(
+        gw.http
+            .get(format!("{}/faults/counters", gw.admin))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let counters = reply.json();
+    for name in [
+        "intermediary_before",
+        "intermediary_after",
+        "idempotency_error_on_replay",
+        "scripted_fail_before",
+        "scripted_holds",
+    ] {
+        assert_eq!(counters[name], 1, "{name} in {counters}");
+    }
+    // Each was counted under its own name only.
+    assert_eq!(
+        serde_json::from_value::<FaultCounters>(counters).unwrap(),
+        FaultCounters {
+            intermediary_before: 1,
+            intermediary_after: 1,
+            idempotency_error_on_replay: 1,
+            scripted_fail_before: 1,
+            scripted_holds: 1,
             ..FaultCounters::default()
         }
     );

@@ -73,6 +73,53 @@ impl Reply {
     }
 }
 
+/// The body form of an intermediary's answer, as [`Reply::intermediary`] found it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IntermediaryForm {
+    Html,
+    Empty,
+}
+
+/// The statuses an intermediary in front of the gateway answers with on its own.
+pub(crate) const INTERMEDIARY_STATUSES: [u16; 5] = [400, 404, 502, 503, 504];
+
+impl Reply {
+    /// Asserts an intermediary's own answer: one of its statuses, a small HTML page naming the
+    /// status or no body at all, and none of the gateway's marks (Stripe's error object,
+    /// `Idempotent-Replayed`, `Request-Id`). Returns the body form.
+    #[track_caller]
+    pub(crate) fn intermediary(&self) -> IntermediaryForm {
+        assert!(
+            INTERMEDIARY_STATUSES.contains(&self.status),
+            "status {} is not an intermediary's: {}",
+            self.status,
+            self.text
+        );
+        assert_eq!(self.header("idempotent-replayed"), None);
+        assert_eq!(self.header("request-id"), None, "the gateway never saw it");
+        if let Ok(body) = serde_json::from_str::<Value>(&self.text) {
+            panic!("an intermediary sends no JSON, let alone Stripe's error object: {body}");
+        }
+        match self.header("content-type") {
+            Some("text/html") => {
+                let page = self.text.trim();
+                assert!(
+                    page.starts_with("<html>") && page.ends_with("</html>"),
+                    "{page}"
+                );
+                assert!(page.contains(&self.status.to_string()), "{page}");
+                IntermediaryForm::Html
+            }
+            None => {
+                assert_eq!(self.header("content-length"), Some("0"));
+                assert!(self.text.is_empty(), "{}", self.text);
+                IntermediaryForm::Empty
+            }
+            Some(other) => panic!("unexpected content-type {other}: {}", self.text),
+        }
+    }
+}
+
 impl Gateway {
     /// Starts a gateway with no faults over the test's database.
     pub(crate) async fn start(options: PgConnectOptions) -> Self {
@@ -197,6 +244,24 @@ impl Gateway {
         fakestripe::count_charges(self.state.pool())
             .await
             .expect("count charges")
+    }
+
+    /// Sends a JSON body to the admin API.
+    pub(crate) async fn admin_send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: &str,
+    ) -> Reply {
+        let response = self
+            .http
+            .request(method, format!("{}{path}", self.admin))
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .send()
+            .await
+            .expect("send to the admin API");
+        Reply::read(response).await
     }
 
     pub(crate) async fn key_rows(&self) -> i64 {
