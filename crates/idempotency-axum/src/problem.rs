@@ -27,6 +27,9 @@ pub mod types {
     pub const BAD_BODY: &str = "urn:problem:idempotency:bad-body";
     /// The handler failed or panicked; the key was released (500).
     pub const HANDLER_FAILED: &str = "urn:problem:idempotency:handler-failed";
+    /// Another request with the key took its lease over while the handler ran; this one was
+    /// stopped, and that one answers (409).
+    pub const LEASE_LOST: &str = "urn:problem:idempotency:lease-lost";
 }
 
 /// A problem+json response. Building one has no side effects: log before you return it.

@@ -450,3 +450,171 @@ async fn a_json_body_with_a_nul_is_kept_by_its_bytes_and_replays(pool: PgPool) {
     assert_eq!(replay, first);
     assert_eq!(orders.calls.load(Ordering::SeqCst), 1);
 }
+
+/// A router whose handler counts its calls and, on its first call only, signals `entered` and
+/// waits at `gate`; `dropped` is set when that first call's future is dropped unfinished. The
+/// layer's store runs on `clock`, and renews every 20 ms.
+fn slow_handler_app(
+    pool: &PgPool,
+    clock: &idempotency::ManualClock,
+) -> (
+    Router,
+    Arc<AtomicUsize>,
+    Arc<tokio::sync::Notify>,
+    Arc<tokio::sync::Notify>,
+    Arc<AtomicBool>,
+) {
+    struct SetOnDrop(Arc<AtomicBool>);
+    impl Drop for SetOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let store = Store::new(
+        pool.clone(),
+        Arc::new(clock.clone()),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    let layer = IdempotencyLayer::new(store, |_| Ok(1)).with_heartbeat(Duration::from_millis(20));
+    let (calls, gate, entered) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let dropped = Arc::new(AtomicBool::new(false));
+    let (c, g, e, d) = (
+        calls.clone(),
+        gate.clone(),
+        entered.clone(),
+        dropped.clone(),
+    );
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let (calls, gate, entered, dropped) = (c.clone(), g.clone(), e.clone(), d.clone());
+                async move {
+                    let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+                    if n == 1 {
+                        let unfinished = SetOnDrop(dropped);
+                        entered.notify_one();
+                        gate.notified().await;
+                        std::mem::forget(unfinished);
+                    }
+                    (StatusCode::CREATED, format!("call {n}")).into_response()
+                }
+            }),
+        )
+        .route_layer(layer);
+    (app, calls, gate, entered, dropped)
+}
+
+/// The key's lease end, as the database has it.
+async fn locked_until(pool: &PgPool) -> Option<sqlx::types::time::OffsetDateTime> {
+    sqlx::query_scalar("SELECT locked_until FROM idempotency_keys")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_handler_slower_than_the_lease_keeps_its_key_and_runs_once(pool: PgPool) {
+    use idempotency::Clock;
+    idempotency::migrate(&pool).await.unwrap();
+    let clock = idempotency::ManualClock::starting_now();
+    let (app, calls, gate, entered, _) = slow_handler_app(&pool, &clock);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await }
+    });
+    entered.notified().await;
+    // The handler is still at work when its lease would have ended.
+    clock.advance(Duration::from_secs(31));
+    let now = clock.now().unwrap();
+    // The heartbeat renews it from the moved time (bounded wait for the next beat).
+    let mut renewed = false;
+    for _ in 0..300 {
+        if locked_until(&pool).await.is_some_and(|until| until > now) {
+            renewed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(renewed, "the lease was renewed while the handler ran");
+    // A retry meanwhile is told the request is in flight, and runs nothing.
+    let (status, _, _) = read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    gate.notify_one();
+    let (status, replayed, body) = first.await.unwrap();
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    assert_eq!(body, b"call 1");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_handler_whose_lease_is_taken_over_is_stopped_and_answers_409(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let clock = idempotency::ManualClock::starting_now();
+    let (app, calls, _gate, entered, dropped) = slow_handler_app(&pool, &clock);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { post_with(&app, "/orders", "k1", Body::from("{}")).await }
+    });
+    entered.notified().await;
+    // Another holder takes the key over (a new fencing token), as a retry would after a pause.
+    sqlx::query("UPDATE idempotency_keys SET lease_token = lease_token + 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the next renewal stops the handler")
+        .unwrap();
+    assert_eq!(answer.status(), StatusCode::CONFLICT);
+    let body: Value = serde_json::from_slice(&read(answer).await.2).unwrap();
+    assert_eq!(body["type"], types::LEASE_LOST);
+    // Its work was dropped at its await, not run to its end, and nothing was stored.
+    for _ in 0..100 {
+        if dropped.load(Ordering::SeqCst) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(dropped.load(Ordering::SeqCst), "the handler was stopped");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let finished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE finished_at IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(finished, 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_raw_body_equal_to_the_hex_of_another_is_refused_not_replayed(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let (calls, handler) = counting();
+    let app = Router::new()
+        .route("/orders", post(move || std::future::ready(handler())))
+        .route_layer(layer_for(&pool));
+    let raw: &[u8] = b"\xff\xfe not json";
+    let (status, _, _) = read(post_with(&app, "/orders", "k1", Body::from(raw)).await).await;
+    assert_eq!(status, StatusCode::CREATED);
+    // The same key with the JSON string that the first body's bytes are stored as.
+    let as_hex = serde_json::to_string(&hex_of(raw)).unwrap();
+    let (status, replayed, _) =
+        read(post_with(&app, "/orders", "k1", Body::from(as_hex)).await).await;
+    assert_eq!(
+        (status, replayed),
+        (StatusCode::UNPROCESSABLE_ENTITY, false)
+    );
+    // The raw body itself still replays.
+    let (status, replayed, _) = read(post_with(&app, "/orders", "k1", Body::from(raw)).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+fn hex_of(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -29,6 +29,20 @@ impl Fingerprint {
         Self(hasher.finalize().into())
     }
 
+    /// Fingerprints a request whose body is not JSON, by its exact bytes.
+    ///
+    /// The body goes in under a part of its own that no JSON fingerprint has (a `raw` marker, then
+    /// the bytes), so a raw body and a JSON body can never share a fingerprint, whatever their
+    /// text: the hex of one body's bytes sent as a JSON string is another request.
+    pub fn of_bytes(method: &str, route: &str, body: &[u8]) -> Self {
+        let mut hasher = Sha256::new();
+        for part in [method.as_bytes(), route.as_bytes(), b"raw", body] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part);
+        }
+        Self(hasher.finalize().into())
+    }
+
     /// The digest as stored in the database.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
@@ -59,6 +73,23 @@ mod tests {
         let a = Fingerprint::of_json("POST", "/rides", &json(r#"{"a":1,"b":2}"#));
         let b = Fingerprint::of_json("POST", "/rides", &json("{ \"b\" : 2,\n \"a\" : 1 }"));
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn a_raw_body_never_shares_a_fingerprint_with_a_json_body() {
+        let raw = b"\xff not json";
+        let as_hex = serde_json::Value::String(hex::encode(raw));
+        let as_text = serde_json::Value::String(String::from_utf8_lossy(raw).into_owned());
+        let of_raw = Fingerprint::of_bytes("POST", "/t", raw);
+        assert_ne!(of_raw, Fingerprint::of_json("POST", "/t", &as_hex));
+        assert_ne!(of_raw, Fingerprint::of_json("POST", "/t", &as_text));
+        // The bytes of a JSON text are not that JSON either.
+        assert_ne!(
+            Fingerprint::of_bytes("POST", "/t", br#""x""#),
+            Fingerprint::of_json("POST", "/t", &json(r#""x""#))
+        );
+        assert_eq!(of_raw, Fingerprint::of_bytes("POST", "/t", raw));
+        assert_ne!(of_raw, Fingerprint::of_bytes("POST", "/t", b"other"));
     }
 
     #[test]

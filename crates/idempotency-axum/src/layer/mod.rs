@@ -27,7 +27,13 @@
 //!   with a reference to the result rather than the result.
 //! - **A JSON body is fingerprinted canonically** (key order and whitespace do not matter); any
 //!   other body, and JSON with a NUL character (which PostgreSQL's `jsonb` cannot hold), by its
-//!   exact bytes.
+//!   exact bytes, under a fingerprint of another shape, so that a raw body never matches a JSON
+//!   one.
+//! - **The lease is renewed while the handler runs** (every [`IdempotencyLayer::heartbeat`]), so
+//!   a handler slower than the lease TTL is not taken over by a retry and run twice at once. If a
+//!   renewal finds the lease taken over, or fails, the handler's task is aborted at its next
+//!   await, and its client gets 409 `lease-lost` (or 500): the request that took the key over
+//!   answers instead.
 //!
 //! What it cannot do: the handler's writes and the stored answer are not one transaction. If the
 //! process dies after the handler's effect and before the answer is stored, the retry runs the
@@ -40,6 +46,7 @@ mod body;
 mod service;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::request::Parts;
 use http::StatusCode;
@@ -64,6 +71,10 @@ pub const BODY_TOO_LARGE_DETAIL: &str = "the request body is larger than this en
 /// Detail of the 400 for a body that could not be read.
 pub const BAD_BODY_DETAIL: &str = "the request body could not be read";
 
+/// Detail of the 409 of a request whose lease was taken over while its handler ran.
+pub const LEASE_LOST_DETAIL: &str =
+    "another request with this Idempotency-Key took the request over; retry to get its answer";
+
 /// Who owns a request's keys: a user id from the request, or the status to refuse it with
 /// (typically 401), answered as an `about:blank` problem.
 pub type ScopeFn = dyn Fn(&Parts) -> Result<i64, StatusCode> + Send + Sync;
@@ -75,6 +86,7 @@ pub struct IdempotencyLayer {
     scope: Arc<ScopeFn>,
     max_body: usize,
     max_stored_body: usize,
+    heartbeat: Option<Duration>,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -82,6 +94,7 @@ impl std::fmt::Debug for IdempotencyLayer {
         f.debug_struct("IdempotencyLayer")
             .field("max_body", &self.max_body)
             .field("max_stored_body", &self.max_stored_body)
+            .field("heartbeat", &self.heartbeat())
             .finish_non_exhaustive()
     }
 }
@@ -98,7 +111,23 @@ impl IdempotencyLayer {
             scope: Arc::new(scope),
             max_body: DEFAULT_MAX_BODY,
             max_stored_body: MAX_STORED_BODY,
+            heartbeat: None,
         }
+    }
+
+    /// Changes how often the lease is renewed while the handler runs: by default a third of the
+    /// store's lease TTL, so that one late renewal still leaves the lease alive. Kept between
+    /// 10 ms and a third of the TTL.
+    pub fn heartbeat(&self) -> Duration {
+        let most = self.store.lease_ttl() / 3;
+        self.heartbeat
+            .map_or(most, |every| every.clamp(Duration::from_millis(10), most))
+    }
+
+    /// Renews the lease every `every` while the handler runs (see [`IdempotencyLayer::heartbeat`]).
+    pub fn with_heartbeat(mut self, every: Duration) -> Self {
+        self.heartbeat = Some(every);
+        self
     }
 
     /// Changes the largest request body accepted (413 above it).

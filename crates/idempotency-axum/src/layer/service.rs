@@ -17,7 +17,9 @@ use sha2::{Digest, Sha256};
 use tower::ServiceExt;
 
 use super::body::Resumed;
-use super::{IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, STORED_HEADERS};
+use super::{
+    IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL, STORED_HEADERS,
+};
 use crate::extract::key_from_headers;
 use crate::problem::{types, Problem};
 use crate::replay::{acquired_or_respond, stored_response};
@@ -73,6 +75,9 @@ struct Scoped {
     /// The path and query as sent: what the fingerprint covers.
     target: String,
     params: Value,
+    /// The body is JSON and `params` is its value; otherwise `params` holds the hex of its
+    /// bytes, and the fingerprint is taken of the bytes themselves.
+    json: bool,
 }
 
 async fn handle<S>(
@@ -101,7 +106,7 @@ where
     } else {
         format!("sha256:{}", hex::encode(Sha256::digest(target.as_bytes())))
     };
-    let params = body_params(&bytes);
+    let (params, json) = body_params(&bytes);
     let scoped = Scoped {
         parts,
         bytes,
@@ -110,6 +115,7 @@ where
         scope_target,
         target,
         params,
+        json,
     };
     // From the claim on, the work runs in a task of its own: hyper drops this future when the
     // client hangs up, and a claim, a handler or a store dropped half-way would leave the key
@@ -147,12 +153,13 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, Response> {
     })
 }
 
-/// What the key stores of the body: its JSON value, or, for a body that is not JSON or holds a
-/// NUL character (PostgreSQL's `jsonb` cannot store one), the hex of its bytes.
-fn body_params(bytes: &[u8]) -> Value {
+/// What the key stores of the body, and whether it is JSON: its JSON value, or, for a body that
+/// is not JSON or holds a NUL character (PostgreSQL's `jsonb` cannot store one), the hex of its
+/// bytes.
+fn body_params(bytes: &[u8]) -> (Value, bool) {
     match serde_json::from_slice::<Value>(bytes) {
-        Ok(value) if !holds_nul(&value) => value,
-        _ => Value::String(hex::encode(bytes)),
+        Ok(value) if !holds_nul(&value) => (value, true),
+        _ => (Value::String(hex::encode(bytes)), false),
     }
 }
 
@@ -175,6 +182,13 @@ where
     S::Error: std::fmt::Display + Send + 'static,
 {
     let method = scoped.parts.method.as_str().to_owned();
+    // A JSON body by its canonical form; any other by its bytes, under a fingerprint of another
+    // shape, so that the two kinds never meet.
+    let fingerprint = if scoped.json {
+        Fingerprint::of_json(&method, &scoped.target, &scoped.params)
+    } else {
+        Fingerprint::of_bytes(&method, &scoped.target, &scoped.bytes)
+    };
     let claim = layer
         .store
         .claim::<OneStep>(NewRequest {
@@ -182,7 +196,7 @@ where
             method: &method,
             route: &scoped.scope_target,
             key: &scoped.key,
-            fingerprint: Fingerprint::of_json(&method, &scoped.target, &scoped.params),
+            fingerprint,
             params: &scoped.params,
         })
         .await
@@ -192,15 +206,21 @@ where
     // The handler runs in a task of its own, so that its panic reaches this task as an error
     // instead of unwinding through it with the lease held.
     let request = Request::from_parts(scoped.parts, Body::from(scoped.bytes));
-    let answer = match tokio::spawn(inner.oneshot(request)).await {
-        Ok(Ok(answer)) => answer,
-        Ok(Err(e)) => {
+    let handler = tokio::spawn(inner.oneshot(request));
+    let answer = match under_lease(&layer, &mut lease, handler).await {
+        Ok(Ok(Ok(answer))) => answer,
+        Ok(Ok(Err(e))) => {
             release(&layer.store, lease).await;
             return Err(internal_response(&format!("the handler failed: {e}")));
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             release(&layer.store, lease).await;
             return Err(internal_response(&format!("the handler panicked: {e}")));
+        }
+        Err(Stopped::LeaseLost) => return Err(lease_lost_response(&lease)),
+        Err(Stopped::RenewalFailed(e)) => {
+            release(&layer.store, lease).await;
+            return Err(store_failed(e));
         }
     };
     if !is_final(answer.status()) {
@@ -239,6 +259,60 @@ where
     finish(&layer.store, &mut lease, &stored).await?;
     // The first delivery is built from what was stored, so replays repeat exactly this.
     Ok(stored_response(&stored))
+}
+
+/// Why a handler was stopped before it answered.
+enum Stopped {
+    /// A renewal found the lease taken over: another request with the key runs the handler now.
+    LeaseLost,
+    /// A renewal failed, so the lease can no longer be vouched for.
+    RenewalFailed(idempotency::Error),
+}
+
+/// Awaits the handler while renewing the lease every heartbeat, and first, if little of it is
+/// left by this process's own clock. A handler slower than the lease would otherwise be taken
+/// over by a retry and run twice at once. When a renewal fails, the handler is stopped (its task
+/// aborted at its next await) before it does more under a lease that may be someone else's.
+async fn under_lease<T>(
+    layer: &IdempotencyLayer,
+    lease: &mut Lease<OneStep>,
+    mut handler: tokio::task::JoinHandle<T>,
+) -> Result<Result<T, tokio::task::JoinError>, Stopped> {
+    let heartbeat = layer.heartbeat();
+    let start = tokio::time::Instant::now() + heartbeat;
+    let mut ticker = tokio::time::interval_at(start, heartbeat);
+    loop {
+        tokio::select! {
+            done = &mut handler => return Ok(done),
+            _ = ticker.tick() => match layer.store.renew(lease).await {
+                Ok(()) => {}
+                Err(e) => {
+                    handler.abort();
+                    return Err(match e {
+                        idempotency::Error::LeaseLost { .. } => Stopped::LeaseLost,
+                        other => Stopped::RenewalFailed(other),
+                    });
+                }
+            },
+        }
+    }
+}
+
+/// The 409 of a request whose lease another request with the key took over: that one answers.
+fn lease_lost_response(lease: &Lease<OneStep>) -> Response {
+    tracing::warn!(
+        key_id = lease.key_id(),
+        token = lease.token(),
+        "lease taken over while the handler ran; the handler was stopped"
+    );
+    Problem::new(
+        StatusCode::CONFLICT,
+        types::LEASE_LOST,
+        "Request taken over",
+    )
+    .with_detail(LEASE_LOST_DETAIL)
+    .with_retry_after(std::time::Duration::from_secs(1))
+    .into_response()
 }
 
 async fn finish(

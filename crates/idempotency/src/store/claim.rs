@@ -61,18 +61,24 @@ impl Store {
         for _ in 0..CLAIM_ROUNDS {
             match self.lookup(&req, &self.pool).await? {
                 Found::Refused(refusal) => return Ok(refusal),
-                Found::Claimable => match self.take_over(&req, &self.pool).await? {
-                    Taken::Lease(lease) => return Ok(Claim::Acquired(lease)),
-                    Taken::Locked => return Ok(in_flight_uncommitted()),
-                    Taken::NotClaimable => {}
-                },
+                Found::Claimable => {
+                    match self.take_over(&req, &self.pool, self.lease_clock()).await? {
+                        Taken::Lease(lease) => return Ok(Claim::Acquired(lease)),
+                        Taken::Locked => return Ok(in_flight_uncommitted()),
+                        Taken::NotClaimable => {}
+                    }
+                }
                 Found::Absent => {
                     let mut conn = self
                         .pool
                         .acquire()
                         .await
                         .map_err(Error::db(claim_context(&req)))?;
-                    match self.insert(&req, P::STARTED, true, &mut conn).await? {
+                    let asked_at = self.lease_clock();
+                    match self
+                        .insert(&req, P::STARTED, true, &mut conn, asked_at)
+                        .await?
+                    {
                         Inserted::Row(lease) => return Ok(Claim::Acquired(lease)),
                         Inserted::Conflict => {}
                         Inserted::Locked => return Ok(in_flight_uncommitted()),
@@ -100,14 +106,18 @@ impl Store {
         for _ in 0..CLAIM_ROUNDS {
             match self.lookup(&req, &self.pool).await? {
                 Found::Refused(refusal) => return Ok(Begun::Existing(refusal)),
-                Found::Claimable => match self.take_over(&req, &self.pool).await? {
-                    Taken::Lease(lease) => return Ok(Begun::Existing(Claim::Acquired(lease))),
-                    Taken::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
-                    Taken::NotClaimable => {}
-                },
+                Found::Claimable => {
+                    match self.take_over(&req, &self.pool, self.lease_clock()).await? {
+                        Taken::Lease(lease) => return Ok(Begun::Existing(Claim::Acquired(lease))),
+                        Taken::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
+                        Taken::NotClaimable => {}
+                    }
+                }
                 Found::Absent => {
+                    // Before BEGIN: the insert's `now()` is the transaction's start.
+                    let asked_at = self.lease_clock();
                     let mut tx = self.begin_tx(&req).await?;
-                    match self.insert(&req, first, true, &mut tx).await? {
+                    match self.insert(&req, first, true, &mut tx, asked_at).await? {
                         Inserted::Row(lease) => {
                             return Ok(Begun::New(FirstPhase::new(self, tx, lease, true)))
                         }
@@ -137,8 +147,10 @@ impl Store {
     ) -> Result<Begun<P>, Error> {
         check_first(first)?;
         for _ in 0..CLAIM_ROUNDS {
+            // Before BEGIN: the insert's and the takeover's `now()` is the transaction's start.
+            let asked_at = self.lease_clock();
             let mut tx = self.begin_tx(&req).await?;
-            match self.insert(&req, first, false, &mut tx).await? {
+            match self.insert(&req, first, false, &mut tx, asked_at).await? {
                 Inserted::Row(lease) => {
                     return Ok(Begun::New(FirstPhase::new(self, tx, lease, false)))
                 }
@@ -150,7 +162,7 @@ impl Store {
             }
             let claim = match self.lookup(&req, &mut *tx).await? {
                 Found::Refused(refusal) => Some(refusal),
-                Found::Claimable => match self.take_over(&req, &mut *tx).await? {
+                Found::Claimable => match self.take_over(&req, &mut *tx, asked_at).await? {
                     Taken::Lease(lease) => Some(Claim::Acquired(lease)),
                     Taken::Locked => {
                         drop(tx);
@@ -236,6 +248,7 @@ impl Store {
         &self,
         req: &NewRequest<'_>,
         db: impl sqlx::PgExecutor<'c>,
+        asked_at: Duration,
     ) -> Result<Taken<P>, Error> {
         let row = sqlx::query(
             r#"
@@ -263,7 +276,7 @@ impl Store {
         .fetch_optional(db)
         .await;
         match row {
-            Ok(Some(row)) => lease_from_row(&row, req.user_id).map(Taken::Lease),
+            Ok(Some(row)) => lease_from_row(&row, req.user_id, asked_at).map(Taken::Lease),
             Ok(None) => Ok(Taken::NotClaimable),
             Err(e) if is_lock_timeout(&e) => Ok(Taken::Locked),
             Err(e) => Err(Error::db(claim_context(req))(e)),
@@ -279,6 +292,7 @@ impl Store {
         point: P,
         track: bool,
         conn: &mut PgConnection,
+        asked_at: Duration,
     ) -> Result<Inserted<P>, Error> {
         let row = sqlx::query(
             r#"
@@ -331,7 +345,7 @@ impl Store {
             recovery_point: point,
             params: req.params.clone(),
             locked_until: row.get::<OffsetDateTime, _>("locked_until"),
-            confirmed_at: std::time::Instant::now(),
+            confirmed_at: asked_at,
         }))
     }
 }

@@ -76,6 +76,7 @@ impl Store {
             if leases.len() == limit {
                 break;
             }
+            let asked_at = self.lease_clock();
             let row = sqlx::query(
                 r#"
                 WITH abandoned AS (
@@ -109,7 +110,7 @@ impl Store {
             .await
             .map_err(Error::db(context()))?;
             if let Some(row) = row {
-                leases.push(lease_from_row(&row, user_id));
+                leases.push(lease_from_row(&row, user_id, asked_at));
             }
         }
         Ok(leases)

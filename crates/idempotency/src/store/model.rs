@@ -2,7 +2,7 @@
 //! application's recovery points.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 use sqlx::postgres::{PgPool, PgRow};
@@ -112,8 +112,11 @@ pub struct Lease<P> {
     pub(super) recovery_point: P,
     pub(super) params: Value,
     pub(super) locked_until: OffsetDateTime,
-    /// When this process last took or extended the lease, on its own monotonic clock.
-    pub(super) confirmed_at: Instant,
+    /// When this process sent the statement that last took or extended the lease, on its own
+    /// monotonic clock ([`Clock::monotonic`]). From *before* the statement: the database set the
+    /// lease's end while the statement ran, so a wait for a lock, a slow network or a pause
+    /// between the statement and its answer counts against the lease, never in its favour.
+    pub(super) confirmed_at: Duration,
 }
 
 impl<P: RecoveryPoint> Lease<P> {
@@ -215,14 +218,21 @@ impl Store {
         self.clock.now()
     }
 
-    /// How long `lease` surely lasts, by this process's own clock: the TTL from when the lease
-    /// was last taken or extended here, less the time since. A holder that stood still (a pause
-    /// of its process or machine) past its lease may have lost the key without knowing; before a
-    /// side effect outside the database, it renews a lease with little left, and a takeover then
-    /// shows as [`Error::LeaseLost`]. The database's time is not needed, so clocks that disagree
-    /// do not matter.
+    /// How long `lease` surely lasts, by this process's own clock: the TTL from when the
+    /// statement that last took or extended the lease was sent, less the time since. A holder
+    /// that stood still (a pause of its process or machine, a claim whose answer was held up)
+    /// past its lease may have lost the key without knowing; before a side effect outside the
+    /// database, it renews a lease with little left, and a takeover then shows as
+    /// [`Error::LeaseLost`]. The database's time is not needed, so clocks that disagree do not
+    /// matter.
     pub fn lease_left<P>(&self, lease: &Lease<P>) -> Duration {
-        self.lease_ttl.saturating_sub(lease.confirmed_at.elapsed())
+        let since = self.clock.monotonic().saturating_sub(lease.confirmed_at);
+        self.lease_ttl.saturating_sub(since)
+    }
+
+    /// A reading of the lease clock, taken before a statement that sets a lease is sent.
+    pub(crate) fn lease_clock(&self) -> Duration {
+        self.clock.monotonic()
     }
 
     pub(crate) fn ttl_millis(&self) -> i64 {
@@ -231,9 +241,12 @@ impl Store {
     }
 }
 
+/// The lease a claim's row grants; `asked_at` is the lease clock's reading from before the
+/// claim's statement was sent.
 pub(crate) fn lease_from_row<P: RecoveryPoint>(
     row: &PgRow,
     user_id: i64,
+    asked_at: Duration,
 ) -> Result<Lease<P>, Error> {
     let key_id: i64 = row.get("id");
     let point: String = row.get("recovery_point");
@@ -249,7 +262,7 @@ pub(crate) fn lease_from_row<P: RecoveryPoint>(
         recovery_point,
         params: row.get::<Json<Value>, _>("request_params").0,
         locked_until: row.get("locked_until"),
-        confirmed_at: Instant::now(),
+        confirmed_at: asked_at,
     })
 }
 

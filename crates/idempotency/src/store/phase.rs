@@ -1,8 +1,6 @@
 //! Phases and the lease: the fenced update that opens every phase, the final phase that stores
 //! the response, renewal, release, and abandoning a key that must leave no trace.
 
-use std::time::Instant;
-
 use sqlx::types::Json;
 use sqlx::{PgConnection, Postgres, Row, Transaction};
 use time::OffsetDateTime;
@@ -26,7 +24,7 @@ impl Store {
                 to: to.name(),
             });
         }
-        let fenced_at = Instant::now();
+        let fenced_at = self.lease_clock();
         let (tx, locked_until) = self.fence(lease, to.name()).await?;
         Ok(Phase {
             tx,
@@ -113,7 +111,7 @@ impl Store {
 
     /// Extends a held lease by one TTL from now (a heartbeat during a long foreign call).
     pub async fn renew<P: RecoveryPoint>(&self, lease: &mut Lease<P>) -> Result<(), Error> {
-        let asked_at = Instant::now();
+        let asked_at = self.lease_clock();
         let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(
             r#"
             UPDATE idempotency_keys
@@ -215,7 +213,7 @@ pub struct Phase<'l, P: RecoveryPoint> {
     to: P,
     locked_until: OffsetDateTime,
     /// When the fence was asked for: the lease it extended runs from no later than this.
-    fenced_at: Instant,
+    fenced_at: std::time::Duration,
 }
 
 impl<P: RecoveryPoint> Phase<'_, P> {
