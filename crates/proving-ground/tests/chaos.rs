@@ -161,3 +161,46 @@ fn a_first_phase_split_in_two_transactions_leaves_keys_that_never_finish() {
         assert_eq!(invariant(&report, check)["passed"], true, "{check}");
     }
 }
+
+#[test]
+fn listing_while_a_call_may_still_run_charges_twice_across_the_window() {
+    let report = failed_control("in-flight", 150, &["--without", "in-flight-guard"]);
+    assert!(
+        report["faults"]["gateway_slow_across_window"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0,
+        "{}",
+        report["faults"]
+    );
+    // A retry past the window listed while the first call's charge was still being made, found
+    // nothing, and charged again under the next generation: two charges, one of them no ride's.
+    for check in ["one_charge_per_key", "no_charge_without_ride"] {
+        let failed = invariant(&report, check);
+        assert_eq!(failed["passed"], false, "{failed}");
+    }
+    // Nothing else about the money broke: every acknowledged ride is paid, once.
+    for check in ["one_ride_per_key", "acknowledged_201_is_paid"] {
+        assert_eq!(invariant(&report, check)["passed"], true, "{check}");
+    }
+}
+
+#[test]
+fn taking_an_intermediarys_page_for_a_refusal_is_caught() {
+    let report = failed_control("unknown-answers", 150, &["--without", "unknown-answers"]);
+    assert!(
+        report["faults"]["gateway_intermediary_answer"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0,
+        "{}",
+        report["faults"]
+    );
+    // A 404 page (or an empty 400) was stored as the gateway's refusal: a failed ride and a
+    // stored 502 for a customer the gateway never refused, charged behind the intermediary or
+    // not.
+    let refusals = invariant(&report, "refused_keys_finish_with_502_and_no_charge");
+    assert_eq!(refusals["passed"], false, "{refusals}");
+    // The derived key still held: nothing was charged twice.
+    assert_eq!(invariant(&report, "one_charge_per_key")["passed"], true);
+}

@@ -41,11 +41,12 @@
 //! key — recorded on the ride in a phase of its own before the call, so that a crash anywhere
 //! resumes under that generation — and charge again. The normal path makes no list call.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use idempotency::{FirstPhase, Lease, RecoveryPoint, StoredResponse};
 use idempotency_axum::Problem;
 use serde_json::json;
+use sqlx::types::Json;
 use sqlx::PgConnection;
 use time::OffsetDateTime;
 
@@ -119,6 +120,13 @@ pub enum BookingError {
     /// The charge exists but is still `pending` at the gateway; resume later.
     #[error("charge {0} is pending at the gateway")]
     PaymentPending(String),
+    /// Whether the gateway charged cannot be known yet: a call under the key may still be
+    /// running there. The list that tells is made in `retry_after`.
+    #[error("the charge's outcome is unconfirmed; reconciling in {retry_after:?}")]
+    Unconfirmed {
+        /// When the list can be made.
+        retry_after: Duration,
+    },
     /// Anything else: a database failure, a broken invariant.
     #[error("{0}")]
     Internal(String),
@@ -221,6 +229,11 @@ pub async fn create_ride(
         generation: 1,
         first_attempt_at,
         past_window: false,
+        // The ride's creation stands for the first call, which follows at once.
+        attempted_at: first_attempt_at,
+        doubt: Kept(None),
+        refusal: None,
+        fresh: true,
     };
     Ok((lease, target))
 }
@@ -332,6 +345,84 @@ pub struct ChargeTarget {
     first_attempt_at: OffsetDateTime,
     /// The current generation's key was first used longer ago than the key window.
     past_window: bool,
+    /// When the gateway was last asked under the current generation's key (its first use, when
+    /// no later call was recorded): a list waits until this is older than the processing bound.
+    attempted_at: OffsetDateTime,
+    /// Why the key's outcome must be listed for, kept by an earlier attempt.
+    #[sqlx(try_from = "Option<String>")]
+    doubt: Kept,
+    /// The refusal to store if the list finds no charge.
+    refusal: Option<Json<Refusal>>,
+    /// `attempted_at` was written by this holder, and no call was made since: the next call
+    /// needs no record of its own, and nobody else can have called in between.
+    fresh: bool,
+}
+
+/// A doubt an earlier attempt kept on the ride (`rides.charge_doubt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Kept(Option<Doubt>);
+
+impl TryFrom<Option<String>> for Kept {
+    type Error = String;
+
+    fn try_from(name: Option<String>) -> Result<Self, Self::Error> {
+        match name.as_deref() {
+            None => Ok(Self(None)),
+            Some(name) => [Doubt::IdempotencyError, Doubt::RefusedAfterUnknown]
+                .into_iter()
+                .find(|d| d.kept_name() == Some(name))
+                .map(|d| Self(Some(d)))
+                .ok_or_else(|| format!("unknown charge doubt {name:?}")),
+        }
+    }
+}
+
+/// Why the current gateway key cannot simply be asked again: its outcome is found by listing
+/// the customer's charges first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Doubt {
+    /// The key's first use is older than the key window: the gateway may have forgotten it.
+    PastWindow,
+    /// The gateway replayed a 5xx it stored under the key: the key holds a failure for good.
+    StoredServerError,
+    /// The gateway answered `idempotency_error`: it holds a result under the key, possibly a
+    /// charge made for other parameters than ours.
+    IdempotencyError,
+    /// The gateway refused for good, but an earlier attempt under the key had an unknown
+    /// outcome and may have charged.
+    RefusedAfterUnknown,
+}
+
+impl Doubt {
+    /// The name kept in `rides.charge_doubt`; `None` for doubts that are found again on every
+    /// attempt and need not be kept.
+    fn kept_name(self) -> Option<&'static str> {
+        match self {
+            Self::PastWindow | Self::StoredServerError => None,
+            Self::IdempotencyError => Some("idempotency_error"),
+            Self::RefusedAfterUnknown => Some("refused"),
+        }
+    }
+
+    /// Whether the list must wait for every call under the key to be over. A replayed 5xx proves
+    /// that the key's request finished at the gateway (a request still running under the key
+    /// would have been answered 409), and the calls of earlier generations were over before
+    /// this one began; any other doubt comes with no such proof.
+    fn waits_for_calls(self) -> bool {
+        match self {
+            Self::StoredServerError => false,
+            Self::PastWindow | Self::IdempotencyError | Self::RefusedAfterUnknown => true,
+        }
+    }
+
+    /// What follows a list that found no charge for the request: the next generation of the key
+    /// charges, or the gateway's refusal is the request's outcome.
+    fn charges_again(self) -> bool {
+        match self {
+            Self::PastWindow | Self::StoredServerError => true,
+            Self::IdempotencyError | Self::RefusedAfterUnknown => false,
+        }
+    }
 }
 
 impl ChargeTarget {
@@ -345,7 +436,11 @@ impl ChargeTarget {
                    r.charge_first_attempt_at AS first_attempt_at,
                    r.charge_generation_at
                        <= coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
-                       AS past_window
+                       AS past_window,
+                   coalesce(r.charge_attempted_at, r.charge_generation_at) AS attempted_at,
+                   r.charge_doubt AS doubt, r.charge_refusal AS refusal,
+                   -- Loaded, so another holder may have called since the last record.
+                   false AS fresh
             FROM rides r JOIN users u ON u.id = r.user_id
             WHERE r.user_id = $1 AND r.idempotency_key_id = $2
             "#,
@@ -358,6 +453,14 @@ impl ChargeTarget {
         .await
         .map_err(db("load ride"))?
         .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", lease.key_id())))
+    }
+
+    /// The doubt to clear before the key is asked again, if any: one kept by an earlier attempt
+    /// first, then the window.
+    fn doubt(&self) -> Option<Doubt> {
+        self.doubt
+            .0
+            .or(self.past_window.then_some(Doubt::PastWindow))
     }
 }
 
@@ -372,6 +475,16 @@ enum Found {
     Retrieved,
 }
 
+/// What a reconciliation decided.
+enum Reconciled {
+    /// The list found the request's charge.
+    Adopted(Charge),
+    /// None exists; the next generation of the key charges (the target is moved to it).
+    NewGeneration,
+    /// None exists, and the gateway's refusal is the request's outcome.
+    Refused(Refusal),
+}
+
 /// Between phases: the gateway call (after a reconciliation when the key cannot be trusted).
 /// Then the final phase: the charge recorded with the 201, or a decline, or a refusal.
 async fn charge(
@@ -379,79 +492,295 @@ async fn charge(
     lease: &mut Lease<RidePoint>,
     mut target: ChargeTarget,
 ) -> Result<Step, BookingError> {
-    let mut reconcile = target.past_window;
+    let mut reconciled = false;
     loop {
-        if reconcile {
-            if let Some(charge) = find_own_charge(state, lease, &target).await? {
-                state.metrics.reconciliation(Reconciliation::Adopted);
-                return settle(state, lease, &target, charge, Found::Adopted).await;
+        if let Some(doubt) = target.doubt() {
+            reconciled = true;
+            match reconcile(state, lease, &mut target, doubt).await? {
+                Reconciled::Adopted(charge) => {
+                    return settle(state, lease, &target, charge, Found::Adopted).await
+                }
+                Reconciled::Refused(refusal) => {
+                    return refused(state, lease, target.ride_id, &refusal).await
+                }
+                Reconciled::NewGeneration => {}
             }
-            state.metrics.reconciliation(Reconciliation::NoneFound);
-            target.generation = next_generation(state, lease, &target).await?;
-            crash_point(state, crate::failpoints::AFTER_NEW_GENERATION)?;
         }
-        let key = if state.failpoints.fresh_gateway_key() {
-            // The chaos harness's negative control: the bug this whole design exists to prevent.
-            format!(
-                "{}:attempt-{}",
-                gateway_key(lease.request_uuid(), target.generation),
-                lease.token()
-            )
-        } else {
-            gateway_key(lease.request_uuid(), target.generation)
-        };
-        let (ride_id, request) = (target.ride_id.to_string(), lease.request_uuid().to_string());
-        let description = format!("Rocket Rides ride {}", target.ride_id);
-        let metadata = [("ride_id", ride_id), (REQUEST_METADATA, request)];
-        let new_charge = NewCharge {
-            amount_cents: i64::from(target.amount_cents),
-            customer: &target.customer,
-            description: &description,
-            metadata: &metadata,
-        };
-        let started = Instant::now();
-        let result =
-            with_heartbeat(state, lease, state.stripe.create_charge(&key, &new_charge)).await;
-        state
-            .metrics
-            .gateway_call(GatewayCall::CreateCharge, started.elapsed());
-        let result = result?;
+        // Every call's time is recorded before it leaves: a list waits for it to be over.
+        let resumed = !target.fresh;
+        if resumed {
+            record_attempt(state, lease, &mut target).await?;
+        }
+        target.fresh = false;
+        let result = call_gateway(state, lease, &target).await?;
         state.metrics.charge(ChargeOutcome::of(&result));
-        match result {
+        let error = match result {
+            Ok(charge) => return settle(state, lease, &target, charge, Found::Created).await,
+            Err(error) => error,
+        };
+        match error {
             // The key holds a failure for good: find out what happened, once.
-            Err(ChargeError::StoredServerError { status, message }) if !reconcile => {
+            ChargeError::StoredServerError { status, message } if !reconciled => {
                 tracing::warn!(
                     key_id = lease.key_id(),
                     status,
                     message,
                     "the gateway replays a stored error under this key; reconciling"
                 );
-                reconcile = true;
+                target.doubt = Kept(Some(Doubt::StoredServerError));
             }
-            Ok(charge) => return settle(state, lease, &target, charge, Found::Created).await,
             // The chaos harness's negative control: an unknown outcome is not a decline.
-            Err(ChargeError::Transient(why)) if state.failpoints.unknown_is_declined() => {
+            ChargeError::Transient(why) if state.failpoints.unknown_is_declined() => {
                 return declined(state, lease, target.ride_id, "processing_error", &why).await
             }
-            Err(e) => return refusal_or_error(state, lease, target.ride_id, e).await,
+            // The chaos harness's negative control: a page that is not the gateway's, refusing.
+            ChargeError::UnknownAnswer { status }
+                if state.failpoints.unknown_answer_is_refusal() && (400..500).contains(&status) =>
+            {
+                let refusal = Refusal::unknown(status);
+                return refused(state, lease, target.ride_id, &refusal).await;
+            }
+            ChargeError::Refused {
+                status,
+                kind,
+                code,
+                param,
+                message,
+            } => {
+                let refusal = Refusal {
+                    status,
+                    kind,
+                    code,
+                    param,
+                    message,
+                };
+                // Final only when the gateway holds no charge of ours for certain: it answered
+                // this key's first use, and not with an idempotency error.
+                let doubt = if refusal.kind == "idempotency_error" {
+                    Doubt::IdempotencyError
+                } else if resumed {
+                    Doubt::RefusedAfterUnknown
+                } else {
+                    return refused(state, lease, target.ride_id, &refusal).await;
+                };
+                keep_doubt(state, lease, &mut target, doubt, refusal).await?;
+            }
+            other => return refusal_or_error(state, lease, target.ride_id, other).await,
         }
     }
 }
 
-/// Lists the customer's charges since the first attempt and returns the one made for this
-/// request, if any. More than one means an invariant broke somewhere: the oldest paid one is
-/// taken and the rest are reported, for an operator to refund.
+/// Asks the gateway for the ride's charge under the current generation's key.
+async fn call_gateway(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    target: &ChargeTarget,
+) -> Result<Result<Charge, ChargeError>, BookingError> {
+    let key = if state.failpoints.fresh_gateway_key() {
+        // The chaos harness's negative control: the bug this whole design exists to prevent.
+        format!(
+            "{}:attempt-{}",
+            gateway_key(lease.request_uuid(), target.generation),
+            lease.token()
+        )
+    } else {
+        gateway_key(lease.request_uuid(), target.generation)
+    };
+    let (ride_id, request) = (target.ride_id.to_string(), lease.request_uuid().to_string());
+    let description = format!("Rocket Rides ride {}", target.ride_id);
+    let metadata = [("ride_id", ride_id), (REQUEST_METADATA, request)];
+    let new_charge = NewCharge {
+        amount_cents: i64::from(target.amount_cents),
+        customer: &target.customer,
+        description: &description,
+        metadata: &metadata,
+    };
+    let started = Instant::now();
+    let result = with_heartbeat(state, lease, state.stripe.create_charge(&key, &new_charge)).await;
+    state
+        .metrics
+        .gateway_call(GatewayCall::CreateCharge, started.elapsed());
+    result
+}
+
+/// Clears a doubt: waits (503) while a call under the key may still be running, then lists the
+/// customer's charges for the request's own, and without one moves on as the doubt says.
+async fn reconcile(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    target: &mut ChargeTarget,
+    doubt: Doubt,
+) -> Result<Reconciled, BookingError> {
+    if doubt.waits_for_calls() {
+        wait_for_calls(state, lease, target).await?;
+    }
+    if let Some(charge) = find_own_charge(state, lease, target).await? {
+        state.metrics.reconciliation(Reconciliation::Adopted);
+        return Ok(Reconciled::Adopted(charge));
+    }
+    state.metrics.reconciliation(Reconciliation::NoneFound);
+    if !doubt.charges_again() {
+        let refusal = target.refusal.take().ok_or_else(|| {
+            BookingError::Internal(format!(
+                "ride {} is in doubt ({doubt:?}) without the gateway's refusal",
+                target.ride_id
+            ))
+        })?;
+        return Ok(Reconciled::Refused(refusal.0));
+    }
+    next_generation(state, lease, target).await?;
+    crash_point(state, crate::failpoints::AFTER_NEW_GENERATION)?;
+    Ok(Reconciled::NewGeneration)
+}
+
+/// Never list while a call may still be running: a charge still being made inside the gateway
+/// is in no list yet, and a new generation would charge a second time. The list waits until the
+/// last call under the current key is older than `--gateway-processing-bound`; until then the
+/// request answers 503 with the time left as `Retry-After`, and the completer waits as long.
+async fn wait_for_calls(
+    state: &AppState,
+    lease: &Lease<RidePoint>,
+    target: &ChargeTarget,
+) -> Result<(), BookingError> {
+    if state.failpoints.list_while_in_flight() {
+        // The chaos harness's negative control: the list is made at once.
+        return Ok(());
+    }
+    let bound = millis(state.gateway_processing_bound);
+    let left: i64 = sqlx::query_scalar(
+        r#"
+        SELECT ceil(extract(epoch FROM coalesce(charge_attempted_at, charge_generation_at)
+                                       + $3 * interval '1 millisecond'
+                                       - coalesce($4::timestamptz, now())) * 1000)::bigint
+        FROM rides WHERE user_id = $1 AND id = $2
+        "#,
+    )
+    .bind(lease.user_id())
+    .bind(target.ride_id)
+    .bind(bound)
+    .bind(state.store.now())
+    .fetch_one(&state.pool)
+    .await
+    .map_err(db("read the ride's last gateway call"))?;
+    if left > 0 {
+        state.metrics.reconciliation(Reconciliation::Deferred);
+        let retry_after = Duration::from_millis(left as u64);
+        tracing::info!(
+            key_id = lease.key_id(),
+            ride_id = target.ride_id,
+            ?retry_after,
+            "a call under the gateway key may still be running; reconciling later"
+        );
+        return Err(BookingError::Unconfirmed { retry_after });
+    }
+    Ok(())
+}
+
+fn millis(duration: Duration) -> i64 {
+    duration.as_millis().min(i64::MAX as u128) as i64
+}
+
+/// Records, before a resumed call leaves, that the current generation's key is being used now.
+/// A phase of its own (fenced), so that the time is on the ride before the gateway can act.
+async fn record_attempt(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    target: &mut ChargeTarget,
+) -> Result<(), BookingError> {
+    let user_id = lease.user_id();
+    let point = lease.recovery_point();
+    let started = Instant::now();
+    writing(lease, "phase");
+    let mut phase = state.store.phase(lease, point).await?;
+    target.attempted_at = sqlx::query_scalar(
+        "UPDATE rides SET charge_attempted_at = coalesce($3::timestamptz, now()),
+                          updated_at = now()
+         WHERE id = $1 AND user_id = $2
+         RETURNING charge_attempted_at",
+    )
+    .bind(target.ride_id)
+    .bind(user_id)
+    .bind(state.store.now())
+    .fetch_one(phase.conn())
+    .await
+    .map_err(db("record the gateway call"))?;
+    phase.commit().await?;
+    state.metrics.phase("charge_attempt", started.elapsed());
+    Ok(())
+}
+
+/// Keeps on the ride why its charge is in doubt, and the refusal to store if no charge turns up,
+/// so that the next attempt lists instead of asking the key again (which would only move the
+/// time the list has to wait for).
+async fn keep_doubt(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    target: &mut ChargeTarget,
+    doubt: Doubt,
+    refusal: Refusal,
+) -> Result<(), BookingError> {
+    let name = doubt.kept_name().ok_or_else(|| {
+        BookingError::Internal(format!("doubt {doubt:?} is not kept on the ride"))
+    })?;
+    tracing::warn!(
+        key_id = lease.key_id(),
+        ride_id = target.ride_id,
+        doubt = name,
+        status = refusal.status,
+        kind = %refusal.kind,
+        "the gateway refused, but may hold a charge for the request; reconciling first"
+    );
+    let user_id = lease.user_id();
+    let point = lease.recovery_point();
+    let started = Instant::now();
+    writing(lease, "phase");
+    let mut phase = state.store.phase(lease, point).await?;
+    sqlx::query(
+        "UPDATE rides SET charge_doubt = $3, charge_refusal = $4, updated_at = now()
+         WHERE id = $1 AND user_id = $2",
+    )
+    .bind(target.ride_id)
+    .bind(user_id)
+    .bind(name)
+    .bind(Json(&refusal))
+    .execute(phase.conn())
+    .await
+    .map_err(db("keep the charge's doubt"))?;
+    audit(
+        phase.conn(),
+        user_id,
+        "ride.charge_in_doubt",
+        target.ride_id,
+        json!({ "doubt": name, "gateway_error": refusal.gateway_error() }),
+    )
+    .await?;
+    phase.commit().await?;
+    state.metrics.phase("charge_doubt", started.elapsed());
+    target.doubt = Kept(Some(doubt));
+    target.refusal = Some(Json(refusal));
+    Ok(())
+}
+
+/// Lists the customer's charges from the first attempt to the last call's bound, and returns the
+/// one made for this request, if any. More than one means an invariant broke somewhere: the
+/// oldest paid one is taken and the rest are reported, for an operator to refund.
+///
+/// The range is bounded at both ends, each widened by the clock skew allowed between us and the
+/// gateway: no charge of the request can be older than its first attempt, nor younger than the
+/// last call plus the gateway's processing bound. A key stuck for months lists months of nothing.
 async fn find_own_charge(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
     target: &ChargeTarget,
 ) -> Result<Option<Charge>, BookingError> {
     let since = (target.first_attempt_at - RECONCILE_CLOCK_SKEW).unix_timestamp();
+    let until = (target.attempted_at + state.gateway_processing_bound + RECONCILE_CLOCK_SKEW)
+        .unix_timestamp();
     let started = Instant::now();
     let listed = with_heartbeat(
         state,
         lease,
-        state.stripe.list_charges(&target.customer, since),
+        state.stripe.list_charges(&target.customer, since, until),
     )
     .await;
     state
@@ -489,24 +818,27 @@ fn status_rank(status: &str) -> u8 {
     }
 }
 
-/// Starts the next generation of the gateway key, in a phase of its own before the call.
+/// Starts the next generation of the gateway key, in a phase of its own before the call; the
+/// doubt that led here is cleared with it. Moves `target` to the new generation.
 async fn next_generation(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
-    target: &ChargeTarget,
-) -> Result<i32, BookingError> {
+    target: &mut ChargeTarget,
+) -> Result<(), BookingError> {
     let user_id = lease.user_id();
     let now = state.store.now();
     let point = lease.recovery_point();
     let started = Instant::now();
     writing(lease, "phase");
     let mut phase = state.store.phase(lease, point).await?;
-    let generation: i32 = sqlx::query_scalar(
+    let (generation, generation_at): (i32, OffsetDateTime) = sqlx::query_as(
         "UPDATE rides SET charge_generation = charge_generation + 1,
                           charge_generation_at = coalesce($3::timestamptz, now()),
+                          charge_attempted_at = NULL,
+                          charge_doubt = NULL, charge_refusal = NULL,
                           updated_at = now()
          WHERE id = $1 AND user_id = $2
-         RETURNING charge_generation",
+         RETURNING charge_generation, charge_generation_at",
     )
     .bind(target.ride_id)
     .bind(user_id)
@@ -529,7 +861,13 @@ async fn next_generation(
         generation,
         "no charge found for the request; charging under a new key generation"
     );
-    Ok(generation)
+    target.generation = generation;
+    target.attempted_at = generation_at;
+    target.past_window = false;
+    target.doubt = Kept(None);
+    target.refusal = None;
+    target.fresh = true;
+    Ok(())
 }
 
 /// A charge the gateway showed for this ride: paid, pending or failed by its status.
@@ -672,7 +1010,8 @@ async fn resolve_pending(
         Err(
             e @ (ChargeError::Declined { .. }
             | ChargeError::StoredServerError { .. }
-            | ChargeError::Transient(_)),
+            | ChargeError::Transient(_)
+            | ChargeError::UnknownAnswer { .. }),
         ) => Err(BookingError::GatewayUnavailable(e.to_string())),
     }
 }
@@ -705,7 +1044,9 @@ async fn refusal_or_error(
             refused(state, lease, ride_id, &refusal).await
         }
         ChargeError::Misconfigured(why) => Err(BookingError::GatewayMisconfigured(why)),
-        e @ (ChargeError::StoredServerError { .. } | ChargeError::Transient(_)) => {
+        e @ (ChargeError::StoredServerError { .. }
+        | ChargeError::Transient(_)
+        | ChargeError::UnknownAnswer { .. }) => {
             Err(BookingError::GatewayUnavailable(e.to_string()))
         }
     }
@@ -812,14 +1153,39 @@ async fn declined(
     Ok(Step::Respond(response))
 }
 
-/// What the gateway said when it refused a charge for good.
-#[derive(Debug)]
+/// What the gateway said when it refused a charge for good; kept on the ride
+/// (`charge_refusal`) while a list must first show that no charge exists.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Refusal {
     status: u16,
     kind: String,
     code: Option<String>,
     param: Option<String>,
     message: String,
+}
+
+impl Refusal {
+    /// A refusal made up from an answer without the gateway's error object: only the negative
+    /// control `--without unknown-answers` takes one.
+    fn unknown(status: u16) -> Self {
+        Self {
+            status,
+            kind: "unknown".to_owned(),
+            code: None,
+            param: None,
+            message: format!("HTTP {status}"),
+        }
+    }
+
+    /// The refusal as the 502's `gateway_error` and the audit record show it.
+    fn gateway_error(&self) -> serde_json::Value {
+        json!({
+            "status": self.status,
+            "type": self.kind,
+            "code": self.code,
+            "param": self.param,
+        })
+    }
 }
 
 /// The final phase of a charge the gateway refused for good: the ride failed, the 502 is stored.
@@ -852,12 +1218,7 @@ async fn refused(
     .execute(phase.conn())
     .await
     .map_err(db("mark ride failed"))?;
-    let gateway_error = json!({
-        "status": refusal.status,
-        "type": refusal.kind,
-        "code": refusal.code,
-        "param": refusal.param,
-    });
+    let gateway_error = refusal.gateway_error();
     audit(
         phase.conn(),
         user_id,

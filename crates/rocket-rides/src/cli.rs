@@ -52,7 +52,7 @@ impl Cli {
 #[derive(Debug, Args)]
 struct DatabaseArgs {
     /// PostgreSQL connection URL.
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
 }
 
@@ -211,6 +211,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             shutdown,
         } => {
             crate::config::validate_http(&http, &gateway).map_err(anyhow::Error::msg)?;
+            crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
             let pool = connect_serving(&db, max_connections).await?;
             let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
             state.http = http.clone();
@@ -275,6 +276,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             shutdown,
         } => {
             crate::config::validate_worker(&worker, &lease).map_err(anyhow::Error::msg)?;
+            crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
             let connections = worker.completer_concurrency + 2;
             // A worker that runs once has nothing to wait for: no database, no run.
             let pool = if once {

@@ -17,15 +17,22 @@ pub const LEASE_MARGIN: Duration = Duration::from_secs(5);
 /// Where the payment gateway is and how long to wait for it.
 #[derive(Debug, Clone, Args)]
 pub struct GatewayArgs {
-    /// Base URL of the Stripe-compatible API (Stripe itself, or a fakestripe).
+    /// Base URL of the Stripe-compatible API (Stripe itself, or a fakestripe). A live secret key
+    /// (`sk_live_…`, `rk_live_…`) is refused over plain http://.
     #[arg(
         long,
         env = "STRIPE_API_BASE",
         default_value = "http://127.0.0.1:12111"
     )]
     pub stripe_api_base: String,
-    /// Secret key for the gateway.
-    #[arg(long, env = "STRIPE_API_KEY", default_value = "sk_test_rocketrides")]
+    /// Secret key for the gateway. Its value from the environment is never shown in `--help`.
+    #[arg(
+        long,
+        env = "STRIPE_API_KEY",
+        default_value = "sk_test_rocketrides",
+        hide_env_values = true,
+        hide_default_value = true
+    )]
     pub stripe_api_key: String,
     /// TCP connect timeout for the gateway (e.g. 2s, 500ms).
     #[arg(long, env = "GATEWAY_CONNECT_TIMEOUT", value_parser = parse_duration,
@@ -42,8 +49,17 @@ pub struct GatewayArgs {
     /// later than this is reconciled first (the customer's charges are listed for one naming the
     /// request) instead of being asked for again under a key the gateway may have forgotten.
     /// Stripe keeps keys for 24 h; keep this below that by more than the gateway timeout.
+    /// At least twice (--gateway-timeout + --lease-ttl + --gateway-processing-bound).
     #[arg(long, env = "GATEWAY_KEY_WINDOW", value_parser = parse_duration, default_value = "23h")]
     pub gateway_key_window: Duration,
+    /// The longest the gateway may still be working on a request after it was sent, whatever
+    /// became of our side of the call (timed out, abandoned, its process paused or killed). A
+    /// reconciling list is made only once the last call under the current key is older than
+    /// this, so that a charge still being made is not missed and made again. Above
+    /// --gateway-timeout.
+    #[arg(long, env = "GATEWAY_PROCESSING_BOUND", value_parser = parse_duration,
+          default_value = "5m")]
+    pub gateway_processing_bound: Duration,
 }
 
 impl GatewayArgs {
@@ -81,6 +97,24 @@ pub const STRIPE_KEY_RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// Default of `--gateway-key-window`: an hour inside Stripe's retention, so that a key is trusted
 /// only while the gateway surely remembers it.
 pub const DEFAULT_GATEWAY_KEY_WINDOW: Duration = Duration::from_secs(23 * 3600);
+
+/// Default of `--gateway-processing-bound`: how long the gateway may still be at work on a
+/// request we sent. Stripe's own client libraries wait 80 s for an answer by default before
+/// they give up; five minutes is well past that, and past any call of ours (the gateway
+/// timeout, 10 s). It only delays the rare reconciliation (a key resumed past its window, a
+/// refusal or an `idempotency_error` after an attempt of unknown outcome), never a booking.
+pub const DEFAULT_GATEWAY_PROCESSING_BOUND: Duration = Duration::from_secs(5 * 60);
+
+/// The shortest `--key-retention`: Stripe keeps idempotency keys for 24 hours, and clients are
+/// written to retry within that. A key reaped sooner makes a late retry book and charge again.
+pub const MIN_KEY_RETENTION: Duration = STRIPE_KEY_RETENTION;
+
+/// The key window's floor: this many times the life of one attempt (the gateway timeout, a
+/// lease that may expire after it, and the gateway's processing bound). A call that starts just
+/// before the window ends, times out, loses its lease and is taken over lives within one such
+/// span; the window leaves room for several, so that a key is reconciled only when it was
+/// really left behind, not while its attempts still come and go.
+pub const KEY_WINDOW_FLOOR_FACTOR: u32 = 2;
 
 /// The idempotency lease.
 #[derive(Debug, Clone, Args)]
@@ -271,10 +305,25 @@ pub fn validate_worker(worker: &WorkerArgs, lease: &LeaseArgs) -> Result<(), Str
             return Err(format!("{name} ({value:?}) must be at least 10ms"));
         }
     }
-    if worker.key_retention < Duration::from_secs(3600) {
+    if worker.key_retention < MIN_KEY_RETENTION {
         return Err(format!(
-            "--key-retention ({:?}) must be at least 1h: clients retry for longer than minutes",
+            "--key-retention ({:?}) must be at least 24h, as long as Stripe keeps its keys: a \
+             retry after its key was reaped books and charges again",
             worker.key_retention
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the shutdown deadline against the gateway: a call in flight at SIGTERM gets its
+/// answer and records it, instead of being abandoned to an unknown outcome (which is safe, but
+/// holds the key until the gateway's processing bound has passed).
+pub fn validate_shutdown(shutdown: &ShutdownArgs, gateway: &GatewayArgs) -> Result<(), String> {
+    if shutdown.shutdown_deadline < gateway.gateway_timeout {
+        return Err(format!(
+            "--shutdown-deadline ({:?}) must be at least --gateway-timeout ({:?}): a gateway call \
+             in flight at shutdown must be let finish",
+            shutdown.shutdown_deadline, gateway.gateway_timeout
         ));
     }
     Ok(())
@@ -289,6 +338,7 @@ impl Default for GatewayArgs {
             gateway_timeout: DEFAULT_GATEWAY_TIMEOUT,
             stripe_ca_file: None,
             gateway_key_window: DEFAULT_GATEWAY_KEY_WINDOW,
+            gateway_processing_bound: DEFAULT_GATEWAY_PROCESSING_BOUND,
         }
     }
 }
@@ -326,25 +376,58 @@ pub fn validate(gateway: &GatewayArgs, lease: &LeaseArgs) -> Result<(), String> 
             lease.lease_heartbeat, lease.lease_ttl
         ));
     }
-    if gateway.gateway_key_window < Duration::from_secs(1)
-        || gateway.gateway_key_window + gateway.gateway_timeout > STRIPE_KEY_RETENTION
-    {
+    if gateway.gateway_processing_bound <= gateway.gateway_timeout {
         return Err(format!(
-            "--gateway-key-window ({:?}) must be at least 1s, and with --gateway-timeout ({:?}) \
-             stay within the gateway's key retention ({:?}): a key must not be used once the \
-             gateway may have forgotten it",
-            gateway.gateway_key_window, gateway.gateway_timeout, STRIPE_KEY_RETENTION
+            "--gateway-processing-bound ({:?}) must exceed --gateway-timeout ({:?}): the gateway \
+             may go on with a request after we stopped waiting for it",
+            gateway.gateway_processing_bound, gateway.gateway_timeout
         ));
     }
-    let http = gateway.stripe_api_base.starts_with("http://")
-        || gateway.stripe_api_base.starts_with("https://");
-    if !http {
+    let floor = key_window_floor(gateway, lease);
+    if gateway.gateway_key_window < floor {
+        return Err(format!(
+            "--gateway-key-window ({:?}) must be at least {floor:?}: {KEY_WINDOW_FLOOR_FACTOR} \
+             times --gateway-timeout ({:?}) + --lease-ttl ({:?}) + --gateway-processing-bound \
+             ({:?})",
+            gateway.gateway_key_window,
+            gateway.gateway_timeout,
+            lease.lease_ttl,
+            gateway.gateway_processing_bound
+        ));
+    }
+    if gateway.gateway_key_window + gateway.gateway_processing_bound > STRIPE_KEY_RETENTION {
+        return Err(format!(
+            "--gateway-key-window ({:?}) with --gateway-processing-bound ({:?}) must stay within \
+             the gateway's key retention ({:?}): a call made at the window's end must be over \
+             before the gateway may forget its key",
+            gateway.gateway_key_window, gateway.gateway_processing_bound, STRIPE_KEY_RETENTION
+        ));
+    }
+    let base = gateway.stripe_api_base.to_ascii_lowercase();
+    if !base.starts_with("http://") && !base.starts_with("https://") {
         return Err(format!(
             "--stripe-api-base {:?} must be an http:// or https:// URL",
             gateway.stripe_api_base
         ));
     }
+    let live = ["sk_live_", "rk_live_"]
+        .iter()
+        .any(|prefix| gateway.stripe_api_key.starts_with(prefix));
+    if live && base.starts_with("http://") {
+        // The message names the setting, never the key.
+        return Err(format!(
+            "--stripe-api-key is a live key and --stripe-api-base {:?} is plain http://: a live \
+             key is only ever sent over https://",
+            gateway.stripe_api_base
+        ));
+    }
     Ok(())
+}
+
+/// The shortest key window these settings allow (see [`KEY_WINDOW_FLOOR_FACTOR`]).
+pub fn key_window_floor(gateway: &GatewayArgs, lease: &LeaseArgs) -> Duration {
+    (gateway.gateway_timeout + lease.lease_ttl + gateway.gateway_processing_bound)
+        * KEY_WINDOW_FLOOR_FACTOR
 }
 
 /// Parses `250ms`, `10s`, `5m`, `2h` or a bare number of seconds.
@@ -422,6 +505,102 @@ mod tests {
             ..Default::default()
         };
         assert!(validate_worker(&short, &lease).is_err());
+    }
+
+    #[test]
+    fn the_key_window_has_a_floor_above_one_attempts_life() {
+        let floor = key_window_floor(&GatewayArgs::default(), &LeaseArgs::default());
+        assert_eq!(floor, Duration::from_secs(2 * (10 + 30 + 300)));
+        let short = GatewayArgs {
+            gateway_key_window: floor - Duration::from_millis(1),
+            ..Default::default()
+        };
+        let err = validate(&short, &LeaseArgs::default()).unwrap_err();
+        assert!(err.contains("--gateway-key-window"), "{err}");
+        assert!(err.contains("--gateway-processing-bound"), "{err}");
+        let at_floor = GatewayArgs {
+            gateway_key_window: floor,
+            ..Default::default()
+        };
+        assert_eq!(validate(&at_floor, &LeaseArgs::default()), Ok(()));
+        // The issue's example: a window of 2 s with a gateway timeout of 1 s.
+        let tiny = GatewayArgs {
+            gateway_timeout: Duration::from_secs(1),
+            gateway_connect_timeout: Duration::from_secs(1),
+            gateway_key_window: Duration::from_secs(2),
+            gateway_processing_bound: Duration::from_secs(2),
+            ..Default::default()
+        };
+        let lease = LeaseArgs {
+            lease_ttl: Duration::from_secs(6),
+            lease_heartbeat: Duration::from_secs(2),
+        };
+        assert!(validate(&tiny, &lease)
+            .unwrap_err()
+            .contains("--gateway-key-window"));
+    }
+
+    #[test]
+    fn the_processing_bound_must_exceed_the_gateway_timeout() {
+        let bound = GatewayArgs {
+            gateway_processing_bound: DEFAULT_GATEWAY_TIMEOUT,
+            ..Default::default()
+        };
+        let err = validate(&bound, &LeaseArgs::default()).unwrap_err();
+        assert!(err.contains("--gateway-processing-bound"), "{err}");
+    }
+
+    #[test]
+    fn a_live_key_is_refused_over_plain_http_and_never_named() {
+        for key in ["sk_live_abc123", "rk_live_abc123"] {
+            let plain = GatewayArgs {
+                stripe_api_key: key.into(),
+                ..Default::default()
+            };
+            let err = validate(&plain, &LeaseArgs::default()).unwrap_err();
+            assert!(err.contains("--stripe-api-key"), "{err}");
+            assert!(!err.contains("abc123"), "the key is not echoed: {err}");
+            let upper = GatewayArgs {
+                stripe_api_base: "HTTP://api.example".into(),
+                ..plain.clone()
+            };
+            assert!(validate(&upper, &LeaseArgs::default()).is_err());
+            let tls = GatewayArgs {
+                stripe_api_base: "https://api.stripe.com".into(),
+                ..plain
+            };
+            assert_eq!(validate(&tls, &LeaseArgs::default()), Ok(()));
+        }
+    }
+
+    #[test]
+    fn the_key_retention_is_at_least_stripes_24_hours() {
+        let lease = LeaseArgs::default();
+        let day = WorkerArgs {
+            key_retention: MIN_KEY_RETENTION,
+            ..Default::default()
+        };
+        assert_eq!(validate_worker(&day, &lease), Ok(()));
+        let hour = WorkerArgs {
+            key_retention: Duration::from_secs(3600),
+            ..Default::default()
+        };
+        let err = validate_worker(&hour, &lease).unwrap_err();
+        assert!(err.contains("--key-retention"), "{err}");
+    }
+
+    #[test]
+    fn the_shutdown_deadline_lets_a_gateway_call_finish() {
+        let gateway = GatewayArgs::default();
+        let ok = ShutdownArgs {
+            shutdown_deadline: gateway.gateway_timeout,
+        };
+        assert_eq!(validate_shutdown(&ok, &gateway), Ok(()));
+        let short = ShutdownArgs {
+            shutdown_deadline: Duration::from_secs(1),
+        };
+        let err = validate_shutdown(&short, &gateway).unwrap_err();
+        assert!(err.contains("--shutdown-deadline"), "{err}");
     }
 
     #[test]

@@ -19,7 +19,11 @@
 //! - `carry-on-after-lost-lease`: a renewal that finds the lease taken over mid-call is logged and
 //!   ignored, and the holder goes on with its call and its next write;
 //! - `split-first-phase`: a new key is committed at `ride_created` before its ride is inserted, in
-//!   a transaction of its own.
+//!   a transaction of its own;
+//! - `list-while-in-flight`: a reconciling list is made at once, though the last call under the
+//!   current gateway key may still be running at the gateway;
+//! - `unknown-answer-is-refusal`: a 4xx answer without the gateway's error object (an
+//!   intermediary's page, no body) is taken for the gateway's refusal.
 
 /// After the phase that claims the key and creates the ride has committed.
 pub const AFTER_RIDE_CREATED: &str = "after_ride_created";
@@ -56,6 +60,10 @@ pub const SABOTAGE_UNKNOWN_IS_DECLINED: &str = "unknown-is-declined";
 pub const SABOTAGE_CARRY_ON_AFTER_LOST_LEASE: &str = "carry-on-after-lost-lease";
 /// The sabotage that splits the first phase in two transactions.
 pub const SABOTAGE_SPLIT_FIRST_PHASE: &str = "split-first-phase";
+/// The sabotage that reconciles without waiting for the calls that may still be running.
+pub const SABOTAGE_LIST_WHILE_IN_FLIGHT: &str = "list-while-in-flight";
+/// The sabotage that takes an answer without the gateway's error object for a refusal.
+pub const SABOTAGE_UNKNOWN_ANSWER_IS_REFUSAL: &str = "unknown-answer-is-refusal";
 
 /// The exit code of a process that crashed at `point` (81 and up, in the order of [`ALL`]).
 pub fn exit_code(point: &str) -> Option<i32> {
@@ -92,6 +100,8 @@ mod armed {
         unknown_is_declined: bool,
         carry_on_after_lost_lease: bool,
         split_first_phase: bool,
+        list_while_in_flight: bool,
+        unknown_answer_is_refusal: bool,
     }
 
     impl Default for Failpoints {
@@ -104,6 +114,8 @@ mod armed {
                 unknown_is_declined: false,
                 carry_on_after_lost_lease: false,
                 split_first_phase: false,
+                list_while_in_flight: false,
+                unknown_answer_is_refusal: false,
             }
         }
     }
@@ -131,6 +143,10 @@ mod armed {
                             points.carry_on_after_lost_lease = true
                         }
                         SABOTAGE_SPLIT_FIRST_PHASE => points.split_first_phase = true,
+                        SABOTAGE_LIST_WHILE_IN_FLIGHT => points.list_while_in_flight = true,
+                        SABOTAGE_UNKNOWN_ANSWER_IS_REFUSAL => {
+                            points.unknown_answer_is_refusal = true
+                        }
                         other => return Err(format!("{SABOTAGE_ENV}: unknown sabotage {other:?}")),
                     }
                 }
@@ -184,6 +200,18 @@ mod armed {
         /// Whether the first phase is split in two transactions (a negative control's bug).
         pub fn split_first_phase(&self) -> bool {
             self.split_first_phase
+        }
+
+        /// Whether a reconciling list is made while a call may still be running (a negative
+        /// control's bug).
+        pub fn list_while_in_flight(&self) -> bool {
+            self.list_while_in_flight
+        }
+
+        /// Whether a 4xx without the gateway's error object is taken for a refusal (a negative
+        /// control's bug).
+        pub fn unknown_answer_is_refusal(&self) -> bool {
+            self.unknown_answer_is_refusal
         }
     }
 
@@ -277,6 +305,16 @@ mod disarmed {
 
         /// Never sabotaged.
         pub fn split_first_phase(&self) -> bool {
+            false
+        }
+
+        /// Never sabotaged.
+        pub fn list_while_in_flight(&self) -> bool {
+            false
+        }
+
+        /// Never sabotaged.
+        pub fn unknown_answer_is_refusal(&self) -> bool {
             false
         }
     }

@@ -70,10 +70,13 @@ pub enum ChargeOutcome {
     Pending,
     /// The gateway replayed a 5xx it stored under the key (the key is reconciled).
     StoredError,
+    /// An answer without the gateway's own error object (a proxy's page, no body): an unknown
+    /// outcome, resumed later under the same key.
+    UnknownAnswer,
 }
 
 /// The labels of `gateway_charges_total`, in the order of [`ChargeOutcome`].
-const CHARGE_OUTCOMES: [&str; 7] = [
+const CHARGE_OUTCOMES: [&str; 8] = [
     "charged",
     "declined",
     "unavailable",
@@ -81,6 +84,7 @@ const CHARGE_OUTCOMES: [&str; 7] = [
     "misconfigured",
     "pending",
     "stored_error",
+    "unknown_answer",
 ];
 
 impl ChargeOutcome {
@@ -96,6 +100,7 @@ impl ChargeOutcome {
             Err(ChargeError::Misconfigured(_)) => Self::Misconfigured,
             Err(ChargeError::StoredServerError { .. }) => Self::StoredError,
             Err(ChargeError::Transient(_)) => Self::Unavailable,
+            Err(ChargeError::UnknownAnswer { .. }) => Self::UnknownAnswer,
         }
     }
 }
@@ -105,11 +110,15 @@ impl ChargeOutcome {
 pub enum Reconciliation {
     /// The charge made for the request was found and adopted.
     Adopted,
-    /// None was found; a new generation of the gateway key charges.
+    /// None was found; a new generation of the gateway key charges, or the gateway's refusal
+    /// is stored.
     NoneFound,
+    /// Put off: a call under the current key may still be running at the gateway (its last
+    /// attempt is younger than `--gateway-processing-bound`); the request answered 503.
+    Deferred,
 }
 
-const RECONCILIATIONS: [&str; 2] = ["adopted", "none_found"];
+const RECONCILIATIONS: [&str; 3] = ["adopted", "none_found", "deferred"];
 
 /// What the completer did with a key.
 #[derive(Debug, Clone, Copy)]

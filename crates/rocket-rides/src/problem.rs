@@ -31,6 +31,9 @@ pub mod types {
     pub const PAYMENT_REFUSED: &str = "urn:problem:rocket-rides:payment-refused";
     /// The charge is pending at the gateway; retry later (503).
     pub const PAYMENT_PENDING: &str = "urn:problem:rocket-rides:payment-pending";
+    /// Whether an earlier attempt charged cannot be known yet: the gateway may still be working
+    /// on it. Retry after `Retry-After` (503).
+    pub const PAYMENT_UNCONFIRMED: &str = "urn:problem:rocket-rides:payment-unconfirmed";
     /// The payment gateway is unavailable; retry (503).
     pub const GATEWAY_UNAVAILABLE: &str = "urn:problem:rocket-rides:gateway-unavailable";
     /// The server is shutting down; retry, another instance resumes the request (503).
@@ -56,7 +59,7 @@ pub mod types {
 
     /// Every type the service answers with, the idempotency face's included: the OpenAPI
     /// document's closed list.
-    pub const ALL: [&str; 24] = [
+    pub const ALL: [&str; 25] = [
         BAD_JSON,
         BAD_BODY,
         BODY_TOO_LARGE,
@@ -66,6 +69,7 @@ pub mod types {
         PAYMENT_DECLINED,
         PAYMENT_REFUSED,
         PAYMENT_PENDING,
+        PAYMENT_UNCONFIRMED,
         NOT_FOUND,
         NO_ROUTE,
         METHOD_NOT_ALLOWED,
@@ -169,6 +173,10 @@ pub enum ApiError {
     /// The charge exists at the gateway but is still pending.
     #[error("payment pending: {0}")]
     PaymentPending(String),
+    /// An earlier attempt's charge may still be in the making at the gateway; the outcome is
+    /// looked up after the given time.
+    #[error("payment unconfirmed; retry in {0:?}")]
+    PaymentUnconfirmed(Duration),
     /// Another worker took the key over while this request ran.
     #[error("lease lost")]
     LeaseLost,
@@ -265,6 +273,16 @@ impl ApiError {
                  Idempotency-Key",
             )
             .with_retry_after(PENDING_RETRY_AFTER),
+            Self::PaymentUnconfirmed(retry_after) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::PAYMENT_UNCONFIRMED,
+                "Payment not confirmed yet",
+            )
+            .with_detail(
+                "the payment gateway may still be working on an earlier attempt; its outcome is \
+                 looked up after Retry-After: retry then with the same Idempotency-Key",
+            )
+            .with_retry_after(*retry_after),
             Self::LeaseLost => Problem::new(
                 StatusCode::CONFLICT,
                 types::LEASE_LOST,

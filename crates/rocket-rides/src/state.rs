@@ -40,6 +40,9 @@ pub struct AppState {
     pub heartbeat: Duration,
     /// How long after its first use a gateway key is trusted to be remembered.
     pub gateway_key_window: Duration,
+    /// How long the gateway may still be working on a request we sent: no reconciling list is
+    /// made before the last call under the current key is older than this.
+    pub gateway_processing_bound: Duration,
     /// Fires when in-flight work must give up its lease (the shutdown deadline passed).
     pub giving_up: Signal,
     /// Counters for `GET /metrics`.
@@ -69,6 +72,7 @@ impl AppState {
             stripe,
             heartbeat: lease.lease_heartbeat,
             gateway_key_window: gateway.gateway_key_window,
+            gateway_processing_bound: gateway.gateway_processing_bound,
             giving_up: Signal::never(),
             http: HttpArgs::default(),
             tasks: TaskTracker::new(),

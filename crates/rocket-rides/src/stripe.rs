@@ -12,6 +12,12 @@
 //! | 401, 403, a certificate the client does not trust | [`ChargeError::Misconfigured`] | 503, logged as an error: ours to fix, never final |
 //! | 5xx with Stripe's error body, **replayed** under the key | [`ChargeError::StoredServerError`] | the key holds a 500 for good: reconcile |
 //! | 5xx otherwise, 408, 409, 424, 425, 429, no answer, a cut or unreadable answer | [`ChargeError::Transient`] | 503; the retry resumes under the same key |
+//! | any other status **without** the gateway's error object (a proxy's HTML page, no body, other JSON) | [`ChargeError::UnknownAnswer`] | 503; the retry resumes under the same key |
+//!
+//! Only the gateway's own word is final. A load balancer or proxy in front of it answers on its
+//! own (a 504 page while the charge goes on behind it, a 404 page for a route it lost), and such
+//! an answer says nothing about the charge: it is an unknown outcome, whatever its status, and
+//! never a refusal. Every refusal and decline above needs Stripe's error object in the body.
 //!
 //! A stored 500 is told from a passing one by `Idempotent-Replayed: true`: only a replay proves
 //! that the gateway finished with the key (a request still running under it would get 409, not a
@@ -158,6 +164,14 @@ pub enum ChargeError {
     /// The outcome is unknown or the gateway is unavailable; retry with the same key.
     #[error("gateway unavailable: {0}")]
     Transient(String),
+    /// An answer that is not the gateway's own: no error object in its body (an intermediary's
+    /// page, an empty body), at a status that would otherwise be final. The request may have
+    /// reached the gateway and charged: an unknown outcome, retried with the same key.
+    #[error("an answer without the gateway's error object: HTTP {status}")]
+    UnknownAnswer {
+        /// HTTP status.
+        status: u16,
+    },
 }
 
 #[derive(Deserialize)]
@@ -287,19 +301,22 @@ impl StripeClient {
         answer.decode(&path)
     }
 
-    /// Every charge of `customer` created at or after `since` (unix seconds), following the
-    /// list's pages (`has_more`, `starting_after`), newest first.
+    /// Every charge of `customer` created from `since` to `until` (unix seconds, both
+    /// included), following the list's pages (`has_more`, `starting_after`), newest first.
     pub async fn list_charges(
         &self,
         customer: &str,
         since: i64,
+        until: i64,
     ) -> Result<Vec<Charge>, ChargeError> {
-        let (since, limit) = (since.to_string(), LIST_PAGE.to_string());
+        let (since, until) = (since.to_string(), until.to_string());
+        let limit = LIST_PAGE.to_string();
         let mut charges: Vec<Charge> = Vec::new();
         for _ in 0..MAX_LIST_PAGES {
             let mut query = vec![
                 ("customer", customer),
                 ("created[gte]", since.as_str()),
+                ("created[lte]", until.as_str()),
                 ("limit", limit.as_str()),
             ];
             if let Some(last) = charges.last() {
@@ -459,11 +476,20 @@ fn classify<T: for<'de> Deserialize<'de>>(
         .and_then(|e| e.message.clone())
         .unwrap_or_else(|| format!("HTTP {status}"));
     let kind = error.as_ref().and_then(|e| e.kind.clone());
+    let Some(error) = error else {
+        // Not the gateway's own word. 401/403 stay ours to fix whoever answered; anything else
+        // is an unknown outcome (a 5xx was one already).
+        return Err(match status {
+            401 | 403 => ChargeError::Misconfigured(format!("{path}: {status} {message}")),
+            408 | 409 | 424 | 425 | 429 | 500..=599 => {
+                ChargeError::Transient(format!("{status} without the gateway's error object"))
+            }
+            _ => ChargeError::UnknownAnswer { status },
+        });
+    };
     match status {
         402 if kind.as_deref() == Some("card_error") => Err(ChargeError::Declined {
-            code: error
-                .and_then(|e| e.code)
-                .unwrap_or_else(|| "card_declined".to_owned()),
+            code: error.code.unwrap_or_else(|| "card_declined".to_owned()),
             message,
         }),
         401 | 403 => Err(ChargeError::Misconfigured(format!(
@@ -472,22 +498,17 @@ fn classify<T: for<'de> Deserialize<'de>>(
         // 408/425: try again; 409: the same key is still being processed at the gateway (or a
         // lock timed out); 424: a dependency of the gateway failed; 429: rate limited.
         408 | 409 | 424 | 425 | 429 => Err(ChargeError::Transient(format!("{status} {message}"))),
-        500..=599 if replayed && error.is_some() => {
-            Err(ChargeError::StoredServerError { status, message })
-        }
+        500..=599 if replayed => Err(ChargeError::StoredServerError { status, message }),
         500..=599 => Err(ChargeError::Transient(format!("{status} {message}"))),
         // Any other 4xx: the gateway processed our request and said no. Asking again with the
         // same parameters gets the same no.
-        _ => {
-            let (code, param) = error.map_or((None, None), |e| (e.code, e.param));
-            Err(ChargeError::Refused {
-                status,
-                kind: kind.unwrap_or_else(|| "unknown".to_owned()),
-                code,
-                param,
-                message,
-            })
-        }
+        _ => Err(ChargeError::Refused {
+            status,
+            kind: kind.unwrap_or_else(|| "unknown".to_owned()),
+            code: error.code,
+            param: error.param,
+            message,
+        }),
     }
 }
 
@@ -560,8 +581,9 @@ mod tests {
             Err(ChargeError::Refused { .. })
         ));
         // A 402 that is not a card error is not a decline we can store, and not worth retrying.
+        let api_402 = r#"{"error":{"type":"invalid_request_error","message":"no"}}"#;
         assert!(matches!(
-            run(402, false, "{}"),
+            run(402, false, api_402),
             Err(ChargeError::Refused { status: 402, .. })
         ));
         let ok = run(
@@ -572,6 +594,37 @@ mod tests {
         .unwrap();
         assert_eq!((ok.id.as_str(), ok.amount), ("ch_1", 2000));
         assert_eq!(ok.request(), Some("r"));
+    }
+
+    #[test]
+    fn an_answer_without_the_gateways_error_object_is_never_final() {
+        for status in [400, 402, 404, 410, 422] {
+            for body in [
+                "",
+                "<html><body>404 Not Found</body></html>",
+                "{}",
+                r#"{"error":"x"}"#,
+            ] {
+                assert!(
+                    matches!(
+                        run(status, false, body),
+                        Err(ChargeError::UnknownAnswer { status: s }) if s == status
+                    ),
+                    "{status} {body:?}"
+                );
+            }
+        }
+        for status in [500, 502, 504] {
+            assert!(matches!(
+                run(status, true, "<html>gateway timeout</html>"),
+                Err(ChargeError::Transient(_))
+            ));
+        }
+        // Ours to fix whoever said it.
+        assert!(matches!(
+            run(403, false, "<html>forbidden</html>"),
+            Err(ChargeError::Misconfigured(_))
+        ));
     }
 
     #[test]

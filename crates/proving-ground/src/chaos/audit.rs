@@ -449,8 +449,8 @@ pub(crate) async fn audit(
     let mut refusals = Check::new(
         "refused_keys_finish_with_502_and_no_charge",
         "every failed ride belongs to a user whose customer the gateway refuses, has no gateway \
-         charge and its key finished with a 502; every 502 answer was for such a user's failed \
-         ride",
+         charge and its key finished with a 502; no stored 502 has a gateway charge naming its \
+         request; every 502 answer was for such a user's failed ride",
     );
     let charged_requests: HashSet<&str> = charges
         .iter()
@@ -475,6 +475,17 @@ pub(crate) async fn audit(
                 )
             },
         );
+    }
+    // A stored 502 says "nothing was charged": no gateway charge may name its request.
+    let refused_requests: Vec<String> = sqlx::query_scalar(
+        "SELECT request_uuid::text FROM idempotency_keys WHERE response_status = 502",
+    )
+    .fetch_all(pool)
+    .await?;
+    for request in &refused_requests {
+        refusals.expect(!charged_requests.contains(request.as_str()), || {
+            format!("request {request} stored a 502, and a gateway charge names it")
+        });
     }
     let rides_by_key: HashMap<(i64, &str), &Ride> = rides
         .iter()

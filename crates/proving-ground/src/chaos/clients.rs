@@ -182,7 +182,7 @@ async fn one_request(
 }
 
 /// Sends one `POST /rides`; the `Retry-After` comes back apart.
-async fn send(
+pub(crate) async fn send(
     http: &reqwest::Client,
     target: SocketAddr,
     api_key: &str,

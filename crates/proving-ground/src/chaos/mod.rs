@@ -32,6 +32,7 @@ mod processes;
 pub mod proxy;
 mod recorder;
 pub mod report;
+mod straddle;
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
@@ -76,6 +77,14 @@ pub enum Sabotage {
     /// Let a holder whose lease renewal found the lease taken over go on with its gateway call
     /// and its next write (which the fencing token then refuses).
     LeaseStop,
+    /// Reconcile at once, without waiting for the last call under the key to be older than the
+    /// gateway's processing bound: a charge still being made when its key's window passes is in
+    /// no list yet, and a new generation of the key charges again.
+    InFlightGuard,
+    /// Take an answer without the gateway's error object (an intermediary's HTML page or empty
+    /// body, status 4xx) for the gateway's refusal: the request stores a 502 "nothing charged",
+    /// though the charge behind the intermediary may have been made.
+    UnknownAnswers,
     /// Commit asynchronously (`synchronous_commit = off` on the services' connections), and stop
     /// the WAL writer for a second before PostgreSQL crashes, so that commits it acknowledged are
     /// lost with it. Needs the crash: the database faults on, without `--failover`.
@@ -105,7 +114,7 @@ pub enum FaultFamily {
 #[derive(Debug, Clone, Args)]
 pub struct ChaosArgs {
     /// PostgreSQL server URL; the run creates a fresh database on that server.
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Requests to send (each with a fresh key, retried with it).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
@@ -159,6 +168,16 @@ pub struct ChaosArgs {
 /// It must stay at least the gateway timeout + 5 s (checked by the processes themselves).
 const LEASE_TTL: &str = "8s";
 const GATEWAY_TIMEOUT: &str = "3s";
+/// The gateway's longest processing time: above its slowest charge in the run (the straddle's
+/// hold, [`STRADDLE_HOLD`]), so the services wait that long before they list.
+const GATEWAY_PROCESSING_BOUND: &str = "10s";
+/// The straddle's held charge: longer than the gateway timeout plus `Retry-After` (3 s + 1 s),
+/// shorter than the processing bound, and long enough that the retry after the timeout comes
+/// seconds before the charge is made, whatever the other faults add to it.
+const STRADDLE_HOLD: Duration = Duration::from_millis(8_500);
+/// Requests whose charge straddles its key's window, each of a user of its own: several, since
+/// a process killed under one (its lease then outlives the charge) spoils it.
+const STRADDLES: usize = 6;
 const GATEWAY_CONNECT_TIMEOUT: &str = "500ms";
 /// Short, so that a slow gateway call outlives it: the heartbeat then renews mid-call.
 const LEASE_HEARTBEAT: &str = "1s";
@@ -167,12 +186,14 @@ const SLOW_CHARGE_MS: u64 = 2_000;
 /// A stalled charge: slower than the gateway timeout; the gateway charges after the service gave
 /// up on the call, and answers its retries 409 meanwhile.
 const STALLED_CHARGE_MS: u64 = 3_500;
-/// How long the services trust a gateway key: short, so that keys left unfinished by crashes and
-/// given-up clients are resumed past it and reconciled within the run.
-const GATEWAY_KEY_WINDOW: &str = "5s";
+/// How long the services trust a gateway key: as short as the services allow (twice the gateway
+/// timeout, the lease and the processing bound), so that keys left unfinished by crashes and
+/// given-up clients are resumed past it and reconciled within the run, and charges straddle it.
+const GATEWAY_KEY_WINDOW: Duration = Duration::from_secs(42);
 /// How long the run's gateway remembers a finished key: longer than the services' window plus
-/// their gateway timeout (2 s), as Stripe's 24 hours are longer than the default 23 h window.
-const GATEWAY_KEY_TTL: Duration = Duration::from_secs(10);
+/// their processing bound, as Stripe's 24 hours are longer than the default 23 h window plus
+/// its 5 min bound.
+const GATEWAY_KEY_TTL: Duration = Duration::from_secs(55);
 /// How often the gateway forgets the keys past their TTL.
 const GATEWAY_FORGET_EVERY: Duration = Duration::from_secs(2);
 /// The completer's grace: above the lease TTL, as the worker requires.
@@ -212,6 +233,9 @@ const FAULT_KINDS: [(FaultFamily, &[&str]); 5] = [
             "gateway_forget_keys",
             "gateway_slow_past_heartbeat",
             "gateway_slow_past_timeout",
+            straddle::KIND,
+            INTERMEDIARY_ANSWER,
+            IDEMPOTENCY_ERROR,
         ],
     ),
     (
@@ -236,6 +260,11 @@ const PAUSE: Duration = Duration::from_secs(14);
 const STEAL_EVERY: Duration = Duration::from_secs(1);
 /// The fault kind of a lease taken over under its holder.
 const LEASE_STOLEN: &str = "lease_stolen";
+/// The fault kind of an intermediary in front of the gateway answering on its own (HTML or an
+/// empty body, 4xx or 5xx), before forwarding or after the charge was made.
+const INTERMEDIARY_ANSWER: &str = "gateway_intermediary_answer";
+/// The fault kind of a 400 `idempotency_error` for a key whose earlier attempt charged.
+const IDEMPOTENCY_ERROR: &str = "gateway_idempotency_error";
 /// When an API process is paused, as a share of the requests done: once, after PostgreSQL's
 /// crash or failover half-way, early enough that the run outlasts the pause. A frozen process holds its clients until their attempts time out,
 /// and the run's load falls meanwhile; the controls of the crash and of the failover need the
@@ -378,12 +407,16 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         fail_after_charge: 0.03,
         drop_after_charge: 0.03,
         conflict_in_flight: 0.02,
-        sticky_500_before_charge: 0.01,
+        sticky_500_before_charge: 0.02,
         sticky_500_after_charge: 0.01,
         slow_charges: 0.03,
         slow_ms: SLOW_CHARGE_MS,
         stalled_charges: 0.02,
         stalled_ms: STALLED_CHARGE_MS,
+        intermediary_before: 0.01,
+        intermediary_after: 0.01,
+        // Only a key that already holds a charge is struck: rare, so drawn often.
+        idempotency_error_on_replay: 0.1,
         seed: Some(rng.random()),
         ..fakestripe::Faults::none()
     };
@@ -449,7 +482,26 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             declines,
         });
     }
+    // The straddles' users: good cards of their own, so that their customers' scripts at the
+    // gateway strike nobody else, and apart from the users the harness may refuse.
+    let mut straddlers = Vec::new();
     if on(FaultFamily::Gateway) {
+        for i in 0..STRADDLES {
+            let user = rocket_rides::users::create_user(
+                &pool,
+                &stripe,
+                &format!("straddler{i}@chaos.example"),
+                "tok_visa",
+            )
+            .await?;
+            let customer = user.stripe_customer_id.clone();
+            let client = ClientUser {
+                id: user.id,
+                api_key: user.api_key,
+                declines: false,
+            };
+            straddlers.push((client, customer));
+        }
         gateway.set_faults(gateway_faults);
     }
 
@@ -464,7 +516,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
     // armed more often than the others.
     // The others are drawn often enough that a run of a thousand requests meets each of them
     // several times (every configured kind must be exercised).
-    let crash_spec = "after_ride_created=0.012,after_new_generation=0.05,\
+    let crash_spec = "after_ride_created=0.012,after_new_generation=0.6,\
                       after_gateway_charge=0.025,after_finished=0.015,\
                       after_receipt_effect=0.04";
     let mut service_url = postgres.service_url(SERVICE_APPLICATION);
@@ -488,9 +540,14 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         ("LEASE_HEARTBEAT".to_owned(), LEASE_HEARTBEAT.to_owned()),
         (
             "GATEWAY_KEY_WINDOW".to_owned(),
-            GATEWAY_KEY_WINDOW.to_owned(),
+            format!("{}s", GATEWAY_KEY_WINDOW.as_secs()),
         ),
-        ("SHUTDOWN_DEADLINE".to_owned(), "1s".to_owned()),
+        (
+            "GATEWAY_PROCESSING_BOUND".to_owned(),
+            GATEWAY_PROCESSING_BOUND.to_owned(),
+        ),
+        // No shorter than the gateway timeout, as the services require.
+        ("SHUTDOWN_DEADLINE".to_owned(), GATEWAY_TIMEOUT.to_owned()),
         ("DATABASE_MAX_CONNECTIONS".to_owned(), "10".to_owned()),
         // Warnings, and the lease's life in a booking, which the audit reads.
         (
@@ -512,6 +569,12 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 Some(rocket_rides::failpoints::SABOTAGE_CARRY_ON_AFTER_LOST_LEASE)
             }
             Sabotage::AtomicPhase => Some(rocket_rides::failpoints::SABOTAGE_SPLIT_FIRST_PHASE),
+            Sabotage::InFlightGuard => {
+                Some(rocket_rides::failpoints::SABOTAGE_LIST_WHILE_IN_FLIGHT)
+            }
+            Sabotage::UnknownAnswers => {
+                Some(rocket_rides::failpoints::SABOTAGE_UNKNOWN_ANSWER_IS_REFUSAL)
+            }
             // Applied to the worker's arguments below, and to the database above and below.
             Sabotage::Completer | Sabotage::SyncReplication | Sabotage::DurableCommit => None,
         })
@@ -787,6 +850,9 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             recorder.clone(),
             db_faults_held.clone(),
         );
+        // The straddles' held calls are slow calls too, but a lease taken from one stays locked
+        // past its charge, and the straddle proves nothing: they are left alone.
+        let spared: Vec<i64> = straddlers.iter().map(|(user, _)| user.id).collect();
         let ttl = rocket_rides::config::parse_duration(LEASE_TTL).map_err(anyhow::Error::msg)?;
         let heartbeat =
             rocket_rides::config::parse_duration(LEASE_HEARTBEAT).map_err(anyhow::Error::msg)?;
@@ -806,6 +872,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                          WHERE finished_at IS NULL
                            AND locked_until > last_run_at + $1 * interval '1 millisecond'
                            AND locked_until > now() + $2 * interval '1 millisecond'
+                           AND user_id <> ALL($3)
                          ORDER BY random() LIMIT 1
                          FOR UPDATE SKIP LOCKED
                      )
@@ -815,6 +882,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 )
                 .bind(renewed_after.as_millis() as i64)
                 .bind(recently_renewed.as_millis() as i64)
+                .bind(&spared)
                 .fetch_optional(&pool)
                 .await;
                 if let Ok(Some(_)) = stolen {
@@ -962,6 +1030,15 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                     "gateway_slow_past_timeout",
                     now.stalled_charges - last_gateway.stalled_charges,
                 );
+                recorder.fault(
+                    INTERMEDIARY_ANSWER,
+                    (now.intermediary_before + now.intermediary_after)
+                        - (last_gateway.intermediary_before + last_gateway.intermediary_after),
+                );
+                recorder.fault(
+                    IDEMPOTENCY_ERROR,
+                    now.idempotency_error_on_replay - last_gateway.idempotency_error_on_replay,
+                );
                 last_gateway = now;
                 let mut network = proxy::ProxyCounters::default();
                 for counters in proxies.iter().map(|p| p.counters()) {
@@ -1023,9 +1100,25 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         })
     };
     let client_phase = Instant::now();
+    let straddles = tokio::spawn(straddle::run(
+        straddle::Straddles {
+            users: straddlers,
+            targets: targets.clone(),
+            window: GATEWAY_KEY_WINDOW,
+            hold: STRADDLE_HOLD,
+            settle_within: Duration::from_secs(30),
+            pool: pool.clone(),
+            gateway: gateway.clone(),
+            attempt_timeout: plan.attempt_timeout,
+            seed,
+        },
+        recorder.clone(),
+    ));
     let mut logs = clients::run(plan.clone(), recorder.clone(), done).await;
-    let client_secs = client_phase.elapsed().as_secs_f64();
     let _ = progress.await;
+    // The faults go on until the straddles are over: they outlast a short run.
+    logs.extend(straddles.await.context("the straddles")?);
+    let client_secs = client_phase.elapsed().as_secs_f64();
 
     // Calm: no more faults; a worker without crash points finishes what was abandoned.
     stop.store(true, Ordering::Relaxed);

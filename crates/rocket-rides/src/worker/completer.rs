@@ -125,6 +125,7 @@ async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<Ride
             e @ (BookingError::GatewayUnavailable(_)
             | BookingError::GatewayMisconfigured(_)
             | BookingError::PaymentPending(_)
+            | BookingError::Unconfirmed { .. }
             | BookingError::Internal(_)
             | BookingError::GivenUp
             | BookingError::Crashed(_)),
@@ -134,11 +135,15 @@ async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<Ride
         // Ours to fix, as on the API's path: an error, whatever the key.
         tracing::error!(key_id, error = %why, "payment gateway misconfigured");
     }
-    let wait = backoff(
+    let mut wait = backoff(
         attempts,
         settings.completer_backoff,
         settings.completer_backoff_max,
     );
+    if let BookingError::Unconfirmed { retry_after } = &error {
+        // Nothing can be decided before then: come back no sooner.
+        wait = wait.max(*retry_after);
+    }
     // Loud: a key that keeps failing is visible here and in `rocket-rides keys list --unfinished`.
     tracing::warn!(
         key_id,

@@ -2,6 +2,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod front;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +29,8 @@ pub struct TestApp {
     pub clock: ManualClock,
     pub gateway: fakestripe::AppState,
     pub http: reqwest::Client,
+    /// The front between the service and the gateway, when started with one.
+    pub front: Option<front::Front>,
     _stop: Vec<oneshot::Sender<()>>,
 }
 
@@ -171,7 +175,17 @@ impl TestApp {
         lease: LeaseArgs,
         tls: Option<Arc<rustls::ServerConfig>>,
     ) -> Self {
-        Self::start_inner(pool, gateway_args, lease, tls, HttpArgs::default()).await
+        Self::start_inner(pool, gateway_args, lease, tls, HttpArgs::default(), false).await
+    }
+
+    /// Starts both servers with a [`front::Front`] between the service and the gateway.
+    pub async fn start_fronted(pool: PgPool, gateway_args: GatewayArgs, lease: LeaseArgs) -> Self {
+        Self::start_inner(pool, gateway_args, lease, None, HttpArgs::default(), true).await
+    }
+
+    /// The front between the service and the gateway.
+    pub fn front(&self) -> &front::Front {
+        self.front.as_ref().expect("started with start_fronted")
     }
 
     /// Starts both servers, the service with these edge limits.
@@ -180,7 +194,7 @@ impl TestApp {
             lease_ttl: TTL,
             ..Default::default()
         };
-        Self::start_inner(pool, GatewayArgs::default(), lease, None, http).await
+        Self::start_inner(pool, GatewayArgs::default(), lease, None, http, false).await
     }
 
     async fn start_inner(
@@ -189,6 +203,7 @@ impl TestApp {
         lease: LeaseArgs,
         tls: Option<Arc<rustls::ServerConfig>>,
         http: HttpArgs,
+        fronted: bool,
     ) -> Self {
         rocket_rides::db::migrate(&pool).await.unwrap();
         let gateway_pool = fakestripe::connect(&url_of(&pool).await).await.unwrap();
@@ -198,7 +213,12 @@ impl TestApp {
             Some(config) => spawn_tls(fakestripe::router(gateway.clone()), config).await,
         };
 
-        gateway_args.stripe_api_base = gateway_base;
+        let front = if fronted {
+            Some(front::Front::start(gateway_base.clone()).await)
+        } else {
+            None
+        };
+        gateway_args.stripe_api_base = front.as_ref().map_or(gateway_base, |f| f.base.clone());
         let clock = ManualClock::starting_now();
         let mut state =
             AppState::new(pool.clone(), Arc::new(clock.clone()), &gateway_args, &lease).unwrap();
@@ -211,6 +231,7 @@ impl TestApp {
             clock,
             gateway,
             http: reqwest::Client::new(),
+            front,
             _stop: vec![stop_api, stop_gateway],
         }
     }

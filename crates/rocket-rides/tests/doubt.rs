@@ -1,0 +1,323 @@
+//! Charges in doubt: the edges of the charge path where a card could be charged with nothing to
+//! show for it. A charge still being made when the key window passes, answers that are not the
+//! gateway's own, an `idempotency_error` or a refusal after an attempt whose answer was lost.
+//! A real Rocket Rides and a real fakestripe on loopback, and where an intermediary speaks, a
+//! real HTTP front between them.
+
+mod common;
+
+use std::time::Duration;
+
+use common::front::FrontAnswer;
+use common::{TestApp, RIDE};
+use fakestripe::Faults;
+use rocket_rides::config::{GatewayArgs, LeaseArgs, DEFAULT_GATEWAY_PROCESSING_BOUND};
+use rocket_rides::problem::types;
+use sqlx::PgPool;
+
+const ADOPTED: &str = "gateway_reconciliations_total{outcome=\"adopted\"}";
+const NONE_FOUND: &str = "gateway_reconciliations_total{outcome=\"none_found\"}";
+const DEFERRED: &str = "gateway_reconciliations_total{outcome=\"deferred\"}";
+
+const NOT_FOUND_PAGE: &str = "<html><body><h1>404 Not Found</h1></body></html>";
+const IDEMPOTENCY_ERROR: &str = r#"{"error":{"type":"idempotency_error","message":"Keys for idempotent requests can only be used with the same parameters they were first used with."}}"#;
+const NO_SUCH_CUSTOMER: &str = r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"customer","message":"No such customer"}}"#;
+
+/// The ride's (status, charge id, key generation).
+async fn ride(app: &TestApp, user_id: i64) -> (String, Option<String>, i32) {
+    sqlx::query_as("SELECT status, charge_id, charge_generation FROM rides WHERE user_id = $1")
+        .bind(user_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// Waits (bounded) until the gateway holds `n` charges.
+async fn charges_come_to(app: &TestApp, n: i64) {
+    for _ in 0..500 {
+        if app.charges().await == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the gateway never came to {n} charges");
+}
+
+fn problem_type(reply: &common::Reply) -> String {
+    reply.json()["type"].as_str().unwrap_or_default().to_owned()
+}
+
+async fn fronted_app(pool: PgPool) -> (TestApp, i64, String) {
+    let lease = LeaseArgs {
+        lease_ttl: common::TTL,
+        ..Default::default()
+    };
+    let app = TestApp::start_fronted(pool, GatewayArgs::default(), lease).await;
+    let (id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    (app, id, api_key)
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_adopted(
+    pool: PgPool,
+) {
+    // Short limits at the floor the settings allow: a 20 s window for a 1 s gateway timeout,
+    // a 6 s lease and a 3 s processing bound.
+    let gateway = GatewayArgs {
+        gateway_timeout: Duration::from_secs(1),
+        gateway_connect_timeout: Duration::from_secs(1),
+        gateway_processing_bound: Duration::from_secs(3),
+        gateway_key_window: Duration::from_secs(20),
+        ..Default::default()
+    };
+    let lease = LeaseArgs {
+        lease_ttl: Duration::from_secs(6),
+        lease_heartbeat: Duration::from_secs(2),
+    };
+    let app = TestApp::start_with_lease(pool, gateway, lease).await;
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+
+    // The first attempt fails before the gateway charges.
+    app.set_faults(Faults {
+        fail_before_charge: 1.0,
+        ..Faults::none()
+    });
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    app.set_faults(Faults::none());
+
+    // Half a second before the window ends, a retry asks again; the gateway takes longer than
+    // our timeout to make that charge, and is still at it when the window has passed.
+    app.clock
+        .advance(Duration::from_secs(20) - Duration::from_millis(500));
+    app.gateway.hold_charges();
+    let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(
+        (second.status, problem_type(&second).as_str()),
+        (503, types::GATEWAY_UNAVAILABLE)
+    );
+    app.gateway.charges_held(1).await;
+
+    // One second past the window: the key can no longer be trusted, but the list must wait.
+    app.clock.advance(Duration::from_millis(1500));
+    let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(
+        (third.status, problem_type(&third).as_str()),
+        (503, types::PAYMENT_UNCONFIRMED),
+        "{third:?}"
+    );
+    let after: u64 = third.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=3).contains(&after), "Retry-After {after}");
+    assert_eq!(app.charges().await, 0, "nothing was charged meanwhile");
+    assert_eq!(app.metric(DEFERRED).await, 1.0);
+
+    // The gateway makes the charge it was asked for.
+    app.gateway.release_charges();
+    charges_come_to(&app, 1).await;
+
+    // Past the processing bound, the list finds it.
+    app.clock.advance(Duration::from_secs(after));
+    let fourth = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(fourth.status, 201, "{fourth:?}");
+    assert_eq!(app.charges().await, 1, "one charge, adopted");
+    assert_eq!(app.metric(ADOPTED).await, 1.0);
+    assert_eq!(app.metric(NONE_FOUND).await, 0.0);
+    let (status, charge_id, generation) = ride(&app, user_id).await;
+    assert_eq!((status.as_str(), generation), ("paid", 1));
+    assert_eq!(fourth.json()["charge_id"].as_str(), charge_id.as_deref());
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_bodyless_504_after_the_charge_then_a_404_page_are_unknown_outcomes_never_a_refusal(
+    pool: PgPool,
+) {
+    let (app, user_id, api_key) = fronted_app(pool).await;
+    app.front().script(vec![
+        FrontAnswer::ForwardThen(504, ""),
+        FrontAnswer::Answer(404, NOT_FOUND_PAGE),
+    ]);
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(
+        (first.status, problem_type(&first).as_str()),
+        (503, types::GATEWAY_UNAVAILABLE)
+    );
+    assert_eq!(
+        app.charges().await,
+        1,
+        "the gateway charged behind the front"
+    );
+    let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(
+        (second.status, problem_type(&second).as_str()),
+        (503, types::GATEWAY_UNAVAILABLE),
+        "a 404 page is not the gateway's refusal: {second:?}"
+    );
+    assert_eq!(app.front().left(), 0);
+    // The front lets the next one through: the gateway answers with the charge it made.
+    let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(third.status, 201, "{third:?}");
+    assert_eq!(app.charges().await, 1);
+    assert_eq!(ride(&app, user_id).await.0, "paid");
+    assert_eq!(
+        app.metric(ADOPTED).await + app.metric(NONE_FOUND).await,
+        0.0
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_404_page_for_a_first_attempt_that_charged_is_never_stored_as_a_refusal(pool: PgPool) {
+    let (app, user_id, api_key) = fronted_app(pool).await;
+    app.front()
+        .script(vec![FrontAnswer::ForwardThen(404, NOT_FOUND_PAGE)]);
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    assert_eq!(app.charges().await, 1);
+    let stored: i64 = app
+        .count("SELECT count(*) FROM idempotency_keys WHERE response_status IS NOT NULL")
+        .await;
+    assert_eq!(stored, 0, "nothing final was stored");
+    let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(second.status, 201, "{second:?}");
+    assert_eq!(ride(&app, user_id).await.0, "paid");
+    assert_eq!(app.charges().await, 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_idempotency_error_after_a_charged_then_dropped_attempt_adopts_the_charge(pool: PgPool) {
+    let (app, user_id, api_key) = fronted_app(pool).await;
+    // The gateway charges and the connection drops its answer.
+    app.set_faults(Faults {
+        drop_after_charge: 1.0,
+        ..Faults::none()
+    });
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    assert_eq!(app.charges().await, 1);
+    // The retry is refused with an idempotency error (a deploy changed the charge's
+    // parameters meanwhile, say): the key holds a result, possibly that charge.
+    app.set_faults(Faults {
+        idempotency_error_on_replay: 1.0,
+        ..Faults::none()
+    });
+    let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(
+        (second.status, problem_type(&second).as_str()),
+        (503, types::PAYMENT_UNCONFIRMED),
+        "never a stored 502 for a charged card: {second:?}"
+    );
+    assert_eq!(app.gateway.counters().idempotency_error_on_replay, 1);
+    // The doubt is kept: a retry before the bound neither lists nor asks the key again.
+    let early = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(problem_type(&early), types::PAYMENT_UNCONFIRMED);
+    assert_eq!(app.gateway.counters().idempotency_error_on_replay, 1);
+    app.clock
+        .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(third.status, 201, "{third:?}");
+    assert_eq!(app.charges().await, 1);
+    assert_eq!(app.metric(ADOPTED).await, 1.0);
+    assert_eq!(ride(&app, user_id).await.0, "paid");
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_idempotency_error_with_no_charge_is_stored_as_a_502_once_the_list_shows_none(
+    pool: PgPool,
+) {
+    let (app, user_id, api_key) = fronted_app(pool).await;
+    app.front()
+        .script(vec![FrontAnswer::Json(400, IDEMPOTENCY_ERROR)]);
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(
+        problem_type(&first),
+        types::PAYMENT_UNCONFIRMED,
+        "{first:?}"
+    );
+    app.clock
+        .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(
+        (second.status, problem_type(&second).as_str()),
+        (502, types::PAYMENT_REFUSED),
+        "{second:?}"
+    );
+    assert_eq!(second.json()["gateway_error"]["type"], "idempotency_error");
+    assert_eq!(app.metric(NONE_FOUND).await, 1.0);
+    assert_eq!(app.charges().await, 0);
+    assert_eq!(ride(&app, user_id).await.0, "failed");
+    // Final, and replayed as such.
+    let replay = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(replay.status, 502);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_refusal_after_an_attempt_of_unknown_outcome_reconciles_and_finds_the_charge(
+    pool: PgPool,
+) {
+    let (app, user_id, api_key) = fronted_app(pool).await;
+    app.front().script(vec![
+        FrontAnswer::ForwardThen(504, "<html>504 Gateway Time-out</html>"),
+        FrontAnswer::Json(400, NO_SUCH_CUSTOMER),
+    ]);
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(first.status, 503);
+    assert_eq!(app.charges().await, 1);
+    let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(
+        (second.status, problem_type(&second).as_str()),
+        (503, types::PAYMENT_UNCONFIRMED),
+        "{second:?}"
+    );
+    app.clock
+        .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(third.status, 201, "{third:?}");
+    assert_eq!(app.charges().await, 1);
+    assert_eq!(ride(&app, user_id).await.0, "paid");
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_reconciling_list_is_bounded_by_the_first_attempt_and_the_last_call(pool: PgPool) {
+    let (app, _, api_key) = fronted_app(pool).await;
+    app.front()
+        .script(vec![FrontAnswer::Json(400, IDEMPOTENCY_ERROR)]);
+    let before = app.clock_now().unix_timestamp();
+    assert_eq!(
+        app.post_ride(Some(&api_key), Some("k-1"), RIDE)
+            .await
+            .status,
+        503
+    );
+    let after = app.clock_now().unix_timestamp();
+    app.clock
+        .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    assert_eq!(
+        app.post_ride(Some(&api_key), Some("k-1"), RIDE)
+            .await
+            .status,
+        502
+    );
+    let list = app
+        .front()
+        .seen()
+        .into_iter()
+        .find(|r| r.starts_with("GET /v1/charges?"))
+        .expect("a list was made");
+    let query: Vec<(String, String)> =
+        serde_urlencoded::from_str(list.split_once('?').unwrap().1).unwrap();
+    let bound = |name: &str| -> i64 {
+        query
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("{name} in {list}"))
+            .1
+            .parse()
+            .unwrap()
+    };
+    let skew = rocket_rides::booking::RECONCILE_CLOCK_SKEW.whole_seconds();
+    let processing = DEFAULT_GATEWAY_PROCESSING_BOUND.as_secs() as i64;
+    assert!((before - skew..=after - skew).contains(&bound("created[gte]")));
+    assert!(
+        (before + processing + skew..=after + processing + skew).contains(&bound("created[lte]"))
+    );
+}
