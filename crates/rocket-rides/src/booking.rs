@@ -54,7 +54,7 @@ use crate::metrics::{ChargeOutcome, GatewayCall, Reconciliation};
 use crate::problem::types;
 use crate::ride::{RideRequest, RideView, RIDE_COLUMNS};
 use crate::state::AppState;
-use crate::stripe::{Charge, ChargeError, NewCharge, REQUEST_METADATA};
+use crate::stripe::{Charge, ChargeError, NewCharge, Refusal, REQUEST_METADATA};
 
 /// How far before the recorded first attempt a reconciling list starts: the gateway stamps
 /// `created` with its own clock, which may be behind ours. Charges of other requests that the
@@ -537,26 +537,13 @@ async fn charge(
             ChargeError::UnknownAnswer { status }
                 if state.failpoints.unknown_answer_is_refusal() && (400..500).contains(&status) =>
             {
-                let refusal = Refusal::unknown(status);
+                let refusal = made_up_refusal(status);
                 return refused(state, lease, target.ride_id, &refusal).await;
             }
-            ChargeError::Refused {
-                status,
-                kind,
-                code,
-                param,
-                message,
-            } => {
-                let refusal = Refusal {
-                    status,
-                    kind,
-                    code,
-                    param,
-                    message,
-                };
+            ChargeError::Refused(refusal) => {
                 // Final only when the gateway holds no charge of ours for certain: it answered
                 // this key's first use, and not with an idempotency error.
-                let doubt = if refusal.kind == "idempotency_error" {
+                let doubt = if refusal.is_idempotency_error() {
                     Doubt::IdempotencyError
                 } else if resumed {
                     Doubt::RefusedAfterUnknown
@@ -751,7 +738,7 @@ async fn keep_doubt(
         user_id,
         "ride.charge_in_doubt",
         target.ride_id,
-        json!({ "doubt": name, "gateway_error": refusal.gateway_error() }),
+        json!({ "doubt": name, "gateway_error": gateway_error(&refusal) }),
     )
     .await?;
     phase.commit().await?;
@@ -1003,8 +990,9 @@ async fn resolve_pending(
             other.id
         ))),
         // The recorded charge is unknown to the gateway: nothing the request can decide alone.
-        Err(ChargeError::Refused { message, .. }) => Err(BookingError::Internal(format!(
-            "the gateway does not know pending charge {charge_id}: {message}"
+        Err(ChargeError::Refused(refusal)) => Err(BookingError::Internal(format!(
+            "the gateway does not know pending charge {charge_id}: {}",
+            refusal.message
         ))),
         Err(ChargeError::Misconfigured(why)) => Err(BookingError::GatewayMisconfigured(why)),
         Err(
@@ -1027,22 +1015,7 @@ async fn refusal_or_error(
         ChargeError::Declined { code, message } => {
             declined(state, lease, ride_id, &code, &message).await
         }
-        ChargeError::Refused {
-            status,
-            kind,
-            code,
-            param,
-            message,
-        } => {
-            let refusal = Refusal {
-                status,
-                kind,
-                code,
-                param,
-                message,
-            };
-            refused(state, lease, ride_id, &refusal).await
-        }
+        ChargeError::Refused(refusal) => refused(state, lease, ride_id, &refusal).await,
         ChargeError::Misconfigured(why) => Err(BookingError::GatewayMisconfigured(why)),
         e @ (ChargeError::StoredServerError { .. }
         | ChargeError::Transient(_)
@@ -1153,39 +1126,26 @@ async fn declined(
     Ok(Step::Respond(response))
 }
 
-/// What the gateway said when it refused a charge for good; kept on the ride
-/// (`charge_refusal`) while a list must first show that no charge exists.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct Refusal {
-    status: u16,
-    kind: String,
-    code: Option<String>,
-    param: Option<String>,
-    message: String,
+/// A refusal made up from an answer without the gateway's error object: only the negative
+/// control `--without unknown-answers` takes one.
+fn made_up_refusal(status: u16) -> Refusal {
+    Refusal {
+        status,
+        kind: "unknown".to_owned(),
+        code: None,
+        param: None,
+        message: format!("HTTP {status}"),
+    }
 }
 
-impl Refusal {
-    /// A refusal made up from an answer without the gateway's error object: only the negative
-    /// control `--without unknown-answers` takes one.
-    fn unknown(status: u16) -> Self {
-        Self {
-            status,
-            kind: "unknown".to_owned(),
-            code: None,
-            param: None,
-            message: format!("HTTP {status}"),
-        }
-    }
-
-    /// The refusal as the 502's `gateway_error` and the audit record show it.
-    fn gateway_error(&self) -> serde_json::Value {
-        json!({
-            "status": self.status,
-            "type": self.kind,
-            "code": self.code,
-            "param": self.param,
-        })
-    }
+/// A refusal as the 502's `gateway_error` and the audit record show it.
+fn gateway_error(refusal: &Refusal) -> serde_json::Value {
+    json!({
+        "status": refusal.status,
+        "type": refusal.kind,
+        "code": refusal.code,
+        "param": refusal.param,
+    })
 }
 
 /// The final phase of a charge the gateway refused for good: the ride failed, the 502 is stored.
@@ -1218,7 +1178,7 @@ async fn refused(
     .execute(phase.conn())
     .await
     .map_err(db("mark ride failed"))?;
-    let gateway_error = refusal.gateway_error();
+    let gateway_error = gateway_error(refusal);
     audit(
         phase.conn(),
         user_id,

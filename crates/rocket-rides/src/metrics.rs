@@ -96,7 +96,7 @@ impl ChargeOutcome {
             Ok(charge) if charge.status == "failed" => Self::Declined,
             Ok(_) => Self::Charged,
             Err(ChargeError::Declined { .. }) => Self::Declined,
-            Err(ChargeError::Refused { .. }) => Self::Refused,
+            Err(ChargeError::Refused(_)) => Self::Refused,
             Err(ChargeError::Misconfigured(_)) => Self::Misconfigured,
             Err(ChargeError::StoredServerError { .. }) => Self::StoredError,
             Err(ChargeError::Transient(_)) => Self::Unavailable,

@@ -134,20 +134,10 @@ pub enum ChargeError {
         /// Stripe's human message.
         message: String,
     },
-    /// The gateway refused the request for good: retrying cannot change the answer.
-    #[error("gateway refused the request ({status} {kind}): {message}")]
-    Refused {
-        /// HTTP status.
-        status: u16,
-        /// Stripe's `type` (`invalid_request_error`, `idempotency_error`).
-        kind: String,
-        /// Stripe's `code`, if any (`resource_missing`).
-        code: Option<String>,
-        /// Stripe's `param`, if any (`customer`).
-        param: Option<String>,
-        /// Stripe's human message.
-        message: String,
-    },
+    /// The gateway refused the request for good, in its own error object: retrying cannot
+    /// change the answer.
+    #[error("gateway refused the request ({} {}): {}", .0.status, .0.kind, .0.message)]
+    Refused(Refusal),
     /// Our side is wrong: the gateway refused our credentials (401/403), or its certificate is
     /// not one we trust. Not the request's fault, never final; an operator must act.
     #[error("gateway misconfigured: {0}")]
@@ -172,6 +162,29 @@ pub enum ChargeError {
         /// HTTP status.
         status: u16,
     },
+}
+
+/// What the gateway said when it refused a request for good: its status and error object.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
+pub struct Refusal {
+    /// HTTP status.
+    pub status: u16,
+    /// Stripe's `type` (`invalid_request_error`, `idempotency_error`).
+    pub kind: String,
+    /// Stripe's `code`, if any (`resource_missing`).
+    pub code: Option<String>,
+    /// Stripe's `param`, if any (`customer`).
+    pub param: Option<String>,
+    /// Stripe's human message.
+    pub message: String,
+}
+
+impl Refusal {
+    /// Whether the gateway said the key was used with other parameters: it holds a result under
+    /// the key that it will not give, possibly a charge.
+    pub fn is_idempotency_error(&self) -> bool {
+        self.kind == "idempotency_error"
+    }
 }
 
 #[derive(Deserialize)]
@@ -502,13 +515,13 @@ fn classify<T: for<'de> Deserialize<'de>>(
         500..=599 => Err(ChargeError::Transient(format!("{status} {message}"))),
         // Any other 4xx: the gateway processed our request and said no. Asking again with the
         // same parameters gets the same no.
-        _ => Err(ChargeError::Refused {
+        _ => Err(ChargeError::Refused(Refusal {
             status,
             kind: kind.unwrap_or_else(|| "unknown".to_owned()),
             code: error.code,
             param: error.param,
             message,
-        }),
+        })),
     }
 }
 
@@ -562,13 +575,13 @@ mod tests {
         }
         let missing = r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"customer","message":"No such customer: 'cus_1'"}}"#;
         match run(400, false, missing) {
-            Err(ChargeError::Refused {
+            Err(ChargeError::Refused(Refusal {
                 status: 400,
                 kind,
                 code,
                 param,
                 ..
-            }) => {
+            })) => {
                 assert_eq!(kind, "invalid_request_error");
                 assert_eq!(code.as_deref(), Some("resource_missing"));
                 assert_eq!(param.as_deref(), Some("customer"));
@@ -578,13 +591,13 @@ mod tests {
         let mismatch = r#"{"error":{"type":"idempotency_error","message":"Keys for idempotent requests can only be used with the same parameters"}}"#;
         assert!(matches!(
             run(400, false, mismatch),
-            Err(ChargeError::Refused { .. })
+            Err(ChargeError::Refused(_))
         ));
         // A 402 that is not a card error is not a decline we can store, and not worth retrying.
         let api_402 = r#"{"error":{"type":"invalid_request_error","message":"no"}}"#;
         assert!(matches!(
             run(402, false, api_402),
-            Err(ChargeError::Refused { status: 402, .. })
+            Err(ChargeError::Refused(Refusal { status: 402, .. }))
         ));
         let ok = run(
             200,
