@@ -618,3 +618,55 @@ async fn a_raw_body_equal_to_the_hex_of_another_is_refused_not_replayed(pool: Pg
 fn hex_of(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_raw_body_stored_under_the_old_fingerprint_still_replays(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let (calls, handler) = counting();
+    let app = Router::new()
+        .route("/orders", post(move || std::future::ready(handler())))
+        .route_layer(layer_for(&pool));
+    // A key an earlier version stored for a raw body: fingerprinted as the JSON string of the
+    // body's hex, and finished.
+    let raw: &[u8] = b"\xff\xfe not json";
+    let params = Value::String(hex_of(raw));
+    let store = Store::new(
+        pool.clone(),
+        Arc::new(DatabaseClock),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    let key = idempotency::IdempotencyKey::parse(b"k1").unwrap();
+    let claim = store
+        .claim::<idempotency::OneStep>(idempotency::NewRequest {
+            user_id: 1,
+            method: "POST",
+            route: "/orders",
+            key: &key,
+            fingerprint: idempotency::Fingerprint::of_json("POST", "/orders", &params),
+            params: &params,
+        })
+        .await
+        .unwrap();
+    let idempotency::Claim::Acquired(mut lease) = claim else {
+        panic!("a new key is acquired");
+    };
+    let stored = idempotency::StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: b"call 0".to_vec(),
+    };
+    store
+        .final_phase(&mut lease)
+        .await
+        .unwrap()
+        .finish(&stored)
+        .await
+        .unwrap();
+    // The same body after the upgrade replays it, and runs nothing.
+    let (status, replayed, body) =
+        read(post_with(&app, "/orders", "k1", Body::from(raw)).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true));
+    assert_eq!(body, b"call 0");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}

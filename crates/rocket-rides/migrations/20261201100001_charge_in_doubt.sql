@@ -1,7 +1,14 @@
 -- What a ride's charge needs so that a reconciling list is never made while a call under the
 -- current gateway key may still be running at the gateway, and so that a doubt found in one
 -- attempt (an idempotency_error, a refusal after an attempt of unknown outcome) is not lost by
--- the next. Every column is nullable without a default, so adding them rewrites nothing.
+-- the next. Every column is nullable without a default, so adding them rewrites nothing, and the
+-- constraints are added NOT VALID (checked for new rows only); the next migration validates
+-- them in a transaction of its own, without the exclusive lock this one takes.
+
+-- The exclusive lock on rides is taken behind any transaction that reads the table: wait for it
+-- only so long, so that a long transaction somewhere fails the migration (try again) instead of
+-- stalling every booking queued behind it.
+SET LOCAL lock_timeout = '5s';
 
 ALTER TABLE rides
     -- When the gateway was last asked for the charge under the current generation's key,
@@ -20,10 +27,8 @@ ALTER TABLE rides
     -- the list shows no charge for the request.
     ADD COLUMN charge_refusal JSONB;
 
-ALTER TABLE rides ADD CONSTRAINT rides_charge_doubt_check
-    CHECK (charge_doubt IN ('idempotency_error', 'refused')) NOT VALID;
-ALTER TABLE rides ADD CONSTRAINT rides_charge_doubt_shape
-    CHECK ((charge_doubt IS NULL) = (charge_refusal IS NULL)) NOT VALID;
--- Every existing row has both NULL; validating takes no lock that blocks writes.
-ALTER TABLE rides VALIDATE CONSTRAINT rides_charge_doubt_check;
-ALTER TABLE rides VALIDATE CONSTRAINT rides_charge_doubt_shape;
+ALTER TABLE rides
+    ADD CONSTRAINT rides_charge_doubt_check
+        CHECK (charge_doubt IN ('idempotency_error', 'refused')) NOT VALID,
+    ADD CONSTRAINT rides_charge_doubt_shape
+        CHECK ((charge_doubt IS NULL) = (charge_refusal IS NULL)) NOT VALID;

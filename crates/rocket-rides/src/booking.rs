@@ -36,10 +36,20 @@
 //! - the gateway just *replayed* a 5xx under the key: it stored a failure there for good (a replay
 //!   also proves that no request under the key is still running at the gateway).
 //!
-//! Reconciling lists the customer's charges since the first attempt and adopts the one whose
-//! metadata names this request. Only when there is none does it start the next generation of the
-//! key — recorded on the ride in a phase of its own before the call, so that a crash anywhere
-//! resumes under that generation — and charge again. The normal path makes no list call.
+//! It also reconciles after an `idempotency_error`, and after a refusal that follows an attempt of
+//! unknown outcome: the gateway may hold a charge either way. Those doubts are kept on the ride
+//! (`charge_doubt`) so that the next attempt lists instead of asking again. An answer without the
+//! gateway's own error object (an intermediary's page) is never a refusal: an unknown outcome,
+//! asked again under the same key.
+//!
+//! Reconciling lists the customer's charges from the first attempt to the last call (plus the
+//! processing bound) and adopts the one whose metadata names this request. It never lists while a
+//! call may still be running at the gateway: every call's time is recorded before it leaves, and
+//! the list waits until the last one is older than `--gateway-processing-bound` (503
+//! `payment-unconfirmed` meanwhile). Only when there is none does it start the next generation of
+//! the key — recorded on the ride in a phase of its own before the call, so that a crash anywhere
+//! resumes under that generation — and charge again (or, for a kept refusal, store the 502). The
+//! normal path makes no list call. The full story: `docs/protocol.md`.
 
 use std::time::{Duration, Instant};
 
@@ -56,9 +66,10 @@ use crate::ride::{RideRequest, RideView, RIDE_COLUMNS};
 use crate::state::AppState;
 use crate::stripe::{Charge, ChargeError, NewCharge, Refusal, REQUEST_METADATA};
 
-/// How far before the recorded first attempt a reconciling list starts: the gateway stamps
-/// `created` with its own clock, which may be behind ours. Charges of other requests that the
-/// wider range brings in are told apart by their metadata.
+/// How far a reconciling list reaches before the recorded first attempt and after the last call's
+/// processing bound: the gateway stamps `created` with its own clock, which may be behind or
+/// ahead of ours. Charges of other requests that the wider range brings in are told apart by
+/// their metadata.
 pub const RECONCILE_CLOCK_SKEW: time::Duration = time::Duration::minutes(10);
 
 /// The recovery points of a ride booking.
@@ -651,7 +662,8 @@ async fn wait_for_calls(
     .map_err(db("read the ride's last gateway call"))?;
     if left > 0 {
         state.metrics.reconciliation(Reconciliation::Deferred);
-        let retry_after = Duration::from_millis(left as u64);
+        // Never more than the bound itself, whatever a step of the database's clock says.
+        let retry_after = Duration::from_millis(left as u64).min(state.gateway_processing_bound);
         tracing::info!(
             key_id = lease.key_id(),
             ride_id = target.ride_id,
@@ -763,20 +775,23 @@ async fn find_own_charge(
     let since = (target.first_attempt_at - RECONCILE_CLOCK_SKEW).unix_timestamp();
     let until = (target.attempted_at + state.gateway_processing_bound + RECONCILE_CLOCK_SKEW)
         .unix_timestamp();
-    let started = Instant::now();
-    let listed = with_heartbeat(
-        state,
-        lease,
-        state.stripe.list_charges(&target.customer, since, until),
-    )
-    .await;
-    state
-        .metrics
-        .gateway_call(GatewayCall::ListCharges, started.elapsed());
-    let listed = listed?.map_err(|e| match e {
+    let mut listed = list(state, lease, Some(&target.customer), since, until).await?;
+    if let Err(ChargeError::Refused(refusal)) = &listed {
+        if refusal.param.as_deref() == Some("customer") {
+            // The customer is gone (deleted, say) and the gateway will not list by it: the same
+            // range over the whole account, told apart by metadata below.
+            tracing::warn!(
+                key_id = lease.key_id(),
+                customer = %target.customer,
+                "the gateway refuses to list the customer's charges; listing the account's"
+            );
+            listed = list(state, lease, None, since, until).await?;
+        }
+    }
+    let listed = listed.map_err(|e| match e {
         ChargeError::Misconfigured(why) => BookingError::GatewayMisconfigured(why),
-        // No list, no knowledge: never charge blind. A list refused for good (an unknown
-        // customer) leaves the key for an operator.
+        // No list, no knowledge: never charge blind. A list refused for good leaves the key for
+        // an operator.
         other => BookingError::GatewayUnavailable(format!("reconcile: {other}")),
     })?;
     let request = lease.request_uuid().to_string();
@@ -795,6 +810,27 @@ async fn find_own_charge(
         );
     }
     Ok(own.into_iter().next())
+}
+
+/// One reconciling list, under the lease, timed.
+async fn list(
+    state: &AppState,
+    lease: &mut Lease<RidePoint>,
+    customer: Option<&str>,
+    since: i64,
+    until: i64,
+) -> Result<Result<Vec<Charge>, ChargeError>, BookingError> {
+    let started = Instant::now();
+    let listed = with_heartbeat(
+        state,
+        lease,
+        state.stripe.list_charges(customer, since, until),
+    )
+    .await;
+    state
+        .metrics
+        .gateway_call(GatewayCall::ListCharges, started.elapsed());
+    listed
 }
 
 fn status_rank(status: &str) -> u8 {
@@ -1097,7 +1133,8 @@ async fn declined(
     let mut phase = state.store.final_phase(lease).await?;
     // A charge recorded pending that then failed is not the ride's charge: it moved no money.
     sqlx::query(
-        "UPDATE rides SET status = 'declined', charge_id = NULL, updated_at = now()
+        "UPDATE rides SET status = 'declined', charge_id = NULL,
+                          charge_doubt = NULL, charge_refusal = NULL, updated_at = now()
          WHERE id = $1 AND user_id = $2",
     )
     .bind(ride_id)
@@ -1171,7 +1208,9 @@ async fn refused(
     writing(lease, "phase");
     let mut phase = state.store.final_phase(lease).await?;
     sqlx::query(
-        "UPDATE rides SET status = 'failed', updated_at = now() WHERE id = $1 AND user_id = $2",
+        "UPDATE rides SET status = 'failed', charge_doubt = NULL, charge_refusal = NULL,
+                          updated_at = now()
+         WHERE id = $1 AND user_id = $2",
     )
     .bind(ride_id)
     .bind(user_id)
@@ -1238,7 +1277,8 @@ pub(crate) async fn charge_paid(
     sqlx::query_as(&format!(
         r#"
         WITH ride AS (
-            UPDATE rides SET charge_id = $3, status = 'paid', updated_at = now()
+            UPDATE rides SET charge_id = $3, status = 'paid',
+                             charge_doubt = NULL, charge_refusal = NULL, updated_at = now()
             WHERE user_id = $1 AND id = $2
             RETURNING {RIDE_COLUMNS}
         ), audited AS (

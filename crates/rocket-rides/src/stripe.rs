@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | 2xx with a charge | `Ok(Charge)`: look at its `status` | `succeeded`: paid; `pending`: resolved later by retrieving it; `failed`: a decline |
 //! | 402 `card_error` | [`ChargeError::Declined`] | final 402 |
-//! | 400/404 `invalid_request_error`, 400 `idempotency_error`, any other 4xx but those below | [`ChargeError::Refused`] | final 502: retrying cannot help |
+//! | 400/404 `invalid_request_error`, 400 `idempotency_error`, any other 4xx but those below, with Stripe's error object | [`ChargeError::Refused`] | final 502 (retrying cannot help); an `idempotency_error`, or a refusal after an attempt of unknown outcome, only once a list shows no charge for the request |
 //! | 401, 403, a certificate the client does not trust | [`ChargeError::Misconfigured`] | 503, logged as an error: ours to fix, never final |
 //! | 5xx with Stripe's error body, **replayed** under the key | [`ChargeError::StoredServerError`] | the key holds a 500 for good: reconcile |
 //! | 5xx otherwise, 408, 409, 424, 425, 429, no answer, a cut or unreadable answer | [`ChargeError::Transient`] | 503; the retry resumes under the same key |
@@ -201,6 +201,28 @@ struct ErrorObject {
     message: Option<String>,
 }
 
+/// The `type`s of Stripe's error object: the ones its API answers with today, and the older ones
+/// its client libraries still know. An error object without one of these is not the gateway's.
+const GATEWAY_ERROR_TYPES: [&str; 7] = [
+    "api_error",
+    "card_error",
+    "idempotency_error",
+    "invalid_request_error",
+    "authentication_error",
+    "rate_limit_error",
+    "api_connection_error",
+];
+
+impl ErrorObject {
+    /// Whether this is the gateway's own error object: it names one of Stripe's error types.
+    /// A proxy's `{"error": {"message": "Not Found"}}` does not.
+    fn is_gateways(&self) -> bool {
+        self.kind
+            .as_deref()
+            .is_some_and(|kind| GATEWAY_ERROR_TYPES.contains(&kind))
+    }
+}
+
 /// Why a client could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -314,11 +336,12 @@ impl StripeClient {
         answer.decode(&path)
     }
 
-    /// Every charge of `customer` created from `since` to `until` (unix seconds, both
-    /// included), following the list's pages (`has_more`, `starting_after`), newest first.
+    /// Every charge created from `since` to `until` (unix seconds, both included), of
+    /// `customer` or of any customer, following the list's pages (`has_more`, `starting_after`),
+    /// newest first.
     pub async fn list_charges(
         &self,
-        customer: &str,
+        customer: Option<&str>,
         since: i64,
         until: i64,
     ) -> Result<Vec<Charge>, ChargeError> {
@@ -327,11 +350,13 @@ impl StripeClient {
         let mut charges: Vec<Charge> = Vec::new();
         for _ in 0..MAX_LIST_PAGES {
             let mut query = vec![
-                ("customer", customer),
                 ("created[gte]", since.as_str()),
                 ("created[lte]", until.as_str()),
                 ("limit", limit.as_str()),
             ];
+            if let Some(customer) = customer {
+                query.push(("customer", customer));
+            }
             if let Some(last) = charges.last() {
                 query.push(("starting_after", last.id.as_str()));
             }
@@ -345,7 +370,8 @@ impl StripeClient {
             }
         }
         Err(ChargeError::Transient(format!(
-            "customer {customer} has more than {} charges since {since}; reconcile by hand",
+            "{} has more than {} charges from {since} to {until}; reconcile by hand",
+            customer.unwrap_or("the account"),
             LIST_PAGE * MAX_LIST_PAGES
         )))
     }
@@ -483,7 +509,8 @@ fn classify<T: for<'de> Deserialize<'de>>(
     // front of it does not.
     let error = serde_json::from_slice::<ErrorBody>(body)
         .ok()
-        .map(|b| b.error);
+        .map(|b| b.error)
+        .filter(ErrorObject::is_gateways);
     let message = error
         .as_ref()
         .and_then(|e| e.message.clone())
@@ -617,6 +644,9 @@ mod tests {
                 "<html><body>404 Not Found</body></html>",
                 "{}",
                 r#"{"error":"x"}"#,
+                r#"{"error":{}}"#,
+                r#"{"error":{"message":"Not Found"}}"#,
+                r#"{"error":{"type":"not_found","message":"no route"}}"#,
             ] {
                 assert!(
                     matches!(

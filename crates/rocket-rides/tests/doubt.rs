@@ -279,16 +279,30 @@ async fn a_refusal_after_an_attempt_of_unknown_outcome_reconciles_and_finds_the_
 #[sqlx::test(migrations = false)]
 async fn the_reconciling_list_is_bounded_by_the_first_attempt_and_the_last_call(pool: PgPool) {
     let (app, _, api_key) = fronted_app(pool).await;
-    app.front()
-        .script(vec![FrontAnswer::Json(400, IDEMPOTENCY_ERROR)]);
-    let before = app.clock_now().unix_timestamp();
+    // The first attempt fails before charging; the resumed one, hours later, is answered with
+    // an idempotency error.
+    app.set_faults(Faults {
+        fail_before_charge: 1.0,
+        ..Faults::none()
+    });
+    let first_at = app.clock_now().unix_timestamp();
     assert_eq!(
         app.post_ride(Some(&api_key), Some("k-1"), RIDE)
             .await
             .status,
         503
     );
-    let after = app.clock_now().unix_timestamp();
+    app.set_faults(Faults::none());
+    app.clock.advance(Duration::from_secs(2 * 3600));
+    app.front()
+        .script(vec![FrontAnswer::Json(400, IDEMPOTENCY_ERROR)]);
+    let last_at = app.clock_now().unix_timestamp();
+    assert_eq!(
+        app.post_ride(Some(&api_key), Some("k-1"), RIDE)
+            .await
+            .status,
+        503
+    );
     app.clock
         .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
     assert_eq!(
@@ -316,8 +330,114 @@ async fn the_reconciling_list_is_bounded_by_the_first_attempt_and_the_last_call(
     };
     let skew = rocket_rides::booking::RECONCILE_CLOCK_SKEW.whole_seconds();
     let processing = DEFAULT_GATEWAY_PROCESSING_BOUND.as_secs() as i64;
-    assert!((before - skew..=after - skew).contains(&bound("created[gte]")));
+    // From the first attempt, to the last call's processing bound: each within the second the
+    // clock showed, widened by the skew.
+    assert!((first_at - skew..=first_at - skew + 1).contains(&bound("created[gte]")));
+    let until = bound("created[lte]");
     assert!(
-        (before + processing + skew..=after + processing + skew).contains(&bound("created[lte]"))
+        (last_at + processing + skew..=last_at + processing + skew + 1).contains(&until),
+        "{until} for a last call at {last_at}"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_holder_whose_lease_ran_out_before_its_first_call_never_calls(pool: PgPool) {
+    use rocket_rides::booking::{self, BookingError, RidePoint};
+    let (app, user_id, _) = fronted_app(pool).await;
+    // The first phase commits (the ride is created), and then the holder stands still past its
+    // lease before its first gateway call.
+    let key = idempotency::IdempotencyKey::parse(b"k-1").unwrap();
+    let (request, body) = rocket_rides::ride::RideRequest::parse(RIDE.as_bytes()).unwrap();
+    let params = serde_json::to_value(&request).unwrap();
+    let route = rocket_rides::ride::RIDES_ROUTE;
+    let begun = app
+        .state
+        .store
+        .begin(
+            idempotency::NewRequest {
+                user_id,
+                method: "POST",
+                route,
+                key: &key,
+                fingerprint: idempotency::Fingerprint::of_json("POST", route, &body),
+                params: &params,
+            },
+            RidePoint::RideCreated,
+        )
+        .await
+        .unwrap();
+    let idempotency::Begun::New(first) = begun else {
+        panic!("a new key");
+    };
+    let customer: String = sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
+        .bind(user_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let (mut stale, target) = booking::create_ride(&app.state, first, &request, &customer)
+        .await
+        .unwrap();
+    app.expire_leases();
+    // Another attempt takes the key over and moves the charge to a new generation.
+    let taker = match app.claim(user_id, "k-1").await {
+        idempotency::Claim::Acquired(lease) => lease,
+        other => panic!("expected a takeover, got {other:?}"),
+    };
+    assert!(taker.token() > stale.token());
+    sqlx::query("UPDATE rides SET charge_generation = 2 WHERE user_id = $1")
+        .bind(user_id)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    // The stale holder wakes: its own clock says its lease may be gone, it asks, and stops.
+    let woke = booking::run(&app.state, &mut stale, Some(target)).await;
+    assert!(matches!(woke, Err(BookingError::LeaseLost(_))), "{woke:?}");
+    let charge_calls = app
+        .front()
+        .seen()
+        .iter()
+        .filter(|r| r.starts_with("POST /v1/charges"))
+        .count();
+    assert_eq!(charge_calls, 0, "the stale holder never called the gateway");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_gateway_that_will_not_list_a_deleted_customer_is_reconciled_over_the_account(
+    pool: PgPool,
+) {
+    let (app, user_id, api_key) = fronted_app(pool).await;
+    // Charged behind a front that answered 504; then the customer is refused for good.
+    app.front().script(vec![
+        FrontAnswer::ForwardThen(504, ""),
+        FrontAnswer::Json(400, NO_SUCH_CUSTOMER),
+    ]);
+    assert_eq!(
+        app.post_ride(Some(&api_key), Some("k-1"), RIDE)
+            .await
+            .status,
+        503
+    );
+    let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(problem_type(&second), types::PAYMENT_UNCONFIRMED);
+    // The gateway will not list the customer either.
+    app.front()
+        .script_lists(vec![FrontAnswer::Json(400, NO_SUCH_CUSTOMER)]);
+    app.clock
+        .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(third.status, 201, "{third:?}");
+    assert_eq!(app.charges().await, 1);
+    assert_eq!(ride(&app, user_id).await.0, "paid");
+    let lists: Vec<String> = app
+        .front()
+        .seen()
+        .into_iter()
+        .filter(|r| r.starts_with("GET /v1/charges?"))
+        .collect();
+    assert_eq!(lists.len(), 2, "{lists:?}");
+    assert!(lists[0].contains("customer="));
+    assert!(
+        !lists[1].contains("customer="),
+        "then over the account: {lists:?}"
     );
 }

@@ -664,6 +664,12 @@ async fn the_completer_finishes_a_key_the_gateway_refuses_for_good_instead_of_re
     // customer's charges are listed first, once no call under the key can still be running.
     let report = completer::run_once(&app.state, &settings()).await.unwrap();
     assert_eq!((report.claimed, report.retried), (1, 1), "{report:?}");
+    // Past its backoff but not the bound, the completer leaves the key alone: nothing could be
+    // decided yet.
+    app.clock
+        .advance(settings().completer_backoff + Duration::from_secs(1));
+    let report = completer::run_once(&app.state, &settings()).await.unwrap();
+    assert_eq!(report.claimed, 0, "{report:?}");
     app.clock
         .advance(rocket_rides::config::DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
     let report = completer::run_once(&app.state, &settings()).await.unwrap();

@@ -11,7 +11,9 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use idempotency::{Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Store, StoredResponse};
+use idempotency::{
+    Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Store, StoredResponse,
+};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
@@ -189,20 +191,44 @@ where
     } else {
         Fingerprint::of_bytes(&method, &scoped.target, &scoped.bytes)
     };
-    let claim = layer
+    let request = |fingerprint| NewRequest {
+        user_id: scoped.user_id,
+        method: &method,
+        route: &scoped.scope_target,
+        key: &scoped.key,
+        fingerprint,
+        params: &scoped.params,
+    };
+    let mut claim = layer
         .store
-        .claim::<OneStep>(NewRequest {
-            user_id: scoped.user_id,
-            method: &method,
-            route: &scoped.scope_target,
-            key: &scoped.key,
-            fingerprint,
-            params: &scoped.params,
-        })
+        .claim::<OneStep>(request(fingerprint))
         .await
         .map_err(store_failed)?;
+    if matches!(claim, Claim::Mismatch) && !scoped.json {
+        // A key stored by a version that fingerprinted a raw body as the JSON string of its hex
+        // (a rolling deploy, a retry across the upgrade): the same body, asked again, must still
+        // replay or resume rather than be refused.
+        let legacy = Fingerprint::of_json(&method, &scoped.target, &scoped.params);
+        claim = layer
+            .store
+            .claim::<OneStep>(request(legacy))
+            .await
+            .map_err(store_failed)?;
+    }
     let mut lease = acquired_or_respond(claim)?;
 
+    // A claim whose answer came late (a lock wait, a pause) may hold a lease that is already
+    // over: renew before the handler runs, and stop if it was taken over meanwhile.
+    if layer.store.lease_left(&lease) < layer.heartbeat() {
+        match layer.store.renew(&mut lease).await {
+            Ok(()) => {}
+            Err(idempotency::Error::LeaseLost { .. }) => return Err(lease_lost_response(&lease)),
+            Err(e) => {
+                release(&layer.store, lease).await;
+                return Err(store_failed(e));
+            }
+        }
+    }
     // The handler runs in a task of its own, so that its panic reaches this task as an error
     // instead of unwinding through it with the lease held.
     let request = Request::from_parts(scoped.parts, Body::from(scoped.bytes));
@@ -269,10 +295,14 @@ enum Stopped {
     RenewalFailed(idempotency::Error),
 }
 
-/// Awaits the handler while renewing the lease every heartbeat, and first, if little of it is
-/// left by this process's own clock. A handler slower than the lease would otherwise be taken
-/// over by a retry and run twice at once. When a renewal fails, the handler is stopped (its task
-/// aborted at its next await) before it does more under a lease that may be someone else's.
+/// Awaits the handler while renewing the lease every heartbeat. A handler slower than the lease
+/// would otherwise be taken over by a retry and run twice at once.
+///
+/// A renewal that finds the lease taken over stops the handler at once. One that fails for
+/// another reason (the database, for a moment) is tried again at the next beat while the lease
+/// surely lasts past it; only when it would not is the handler stopped. Stopping aborts the
+/// handler's task and waits for it to end (at its next await), so that nothing of it still
+/// runs when the caller releases the key.
 async fn under_lease<T>(
     layer: &IdempotencyLayer,
     lease: &mut Lease<OneStep>,
@@ -281,21 +311,28 @@ async fn under_lease<T>(
     let heartbeat = layer.heartbeat();
     let start = tokio::time::Instant::now() + heartbeat;
     let mut ticker = tokio::time::interval_at(start, heartbeat);
-    loop {
+    let stopped = loop {
         tokio::select! {
             done = &mut handler => return Ok(done),
             _ = ticker.tick() => match layer.store.renew(lease).await {
                 Ok(()) => {}
-                Err(e) => {
-                    handler.abort();
-                    return Err(match e {
-                        idempotency::Error::LeaseLost { .. } => Stopped::LeaseLost,
-                        other => Stopped::RenewalFailed(other),
-                    });
+                Err(idempotency::Error::LeaseLost { .. }) => break Stopped::LeaseLost,
+                Err(e) if layer.store.lease_left(lease) > heartbeat => {
+                    tracing::warn!(
+                        key_id = lease.key_id(),
+                        error = %e,
+                        "could not renew the lease; trying again at the next beat"
+                    );
                 }
+                Err(e) => break Stopped::RenewalFailed(e),
             },
         }
-    }
+    };
+    handler.abort();
+    // Cancelled, or finished just now: either way it runs no more. Its answer, if any, is not
+    // delivered under a lease that may be gone.
+    let _ = handler.await;
+    Err(stopped)
 }
 
 /// The 409 of a request whose lease another request with the key took over: that one answers.

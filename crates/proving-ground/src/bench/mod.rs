@@ -41,7 +41,7 @@ use self::stack::{Databases, Programs, Stack};
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// PostgreSQL server URL; the run creates two fresh databases on that server.
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Measured time per scenario and concurrency (after the warm-up).
     #[arg(long, value_parser = parse_bounded_duration, default_value = "5s")]

@@ -30,6 +30,7 @@ pub enum FrontAnswer {
 struct Inner {
     target: String,
     script: Arc<Mutex<VecDeque<FrontAnswer>>>,
+    lists: Arc<Mutex<VecDeque<FrontAnswer>>>,
     seen: Arc<Mutex<Vec<String>>>,
     http: reqwest::Client,
 }
@@ -38,6 +39,7 @@ struct Inner {
 pub struct Front {
     pub base: String,
     script: Arc<Mutex<VecDeque<FrontAnswer>>>,
+    lists: Arc<Mutex<VecDeque<FrontAnswer>>>,
     seen: Arc<Mutex<Vec<String>>>,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
@@ -47,9 +49,11 @@ impl Front {
     pub async fn start(target: String) -> Self {
         let script: Arc<Mutex<VecDeque<FrontAnswer>>> = Arc::default();
         let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+        let lists: Arc<Mutex<VecDeque<FrontAnswer>>> = Arc::default();
         let inner = Inner {
             target,
             script: script.clone(),
+            lists: lists.clone(),
             seen: seen.clone(),
             http: reqwest::Client::new(),
         };
@@ -58,6 +62,7 @@ impl Front {
         Self {
             base,
             script,
+            lists,
             seen,
             _stop: stop,
         }
@@ -66,6 +71,12 @@ impl Front {
     /// The answers to the next charges, in order; the ones after are forwarded.
     pub fn script(&self, answers: Vec<FrontAnswer>) {
         self.script.lock().unwrap().extend(answers);
+    }
+
+    /// The answers to the next lists of one customer's charges (`GET /v1/charges?customer=…`),
+    /// in order; the ones after are forwarded.
+    pub fn script_lists(&self, answers: Vec<FrontAnswer>) {
+        self.lists.lock().unwrap().extend(answers);
     }
 
     /// How many scripted answers are left.
@@ -88,8 +99,13 @@ async fn front(State(inner): State<Inner>, request: Request) -> Response {
         parts.uri.path_and_query().map_or("", |pq| pq.as_str())
     ));
     let is_charge = parts.method == http::Method::POST && parts.uri.path() == "/v1/charges";
+    let lists_a_customer = parts.method == http::Method::GET
+        && parts.uri.path() == "/v1/charges"
+        && parts.uri.query().is_some_and(|q| q.contains("customer="));
     let scripted = if is_charge {
         inner.script.lock().unwrap().pop_front()
+    } else if lists_a_customer {
+        inner.lists.lock().unwrap().pop_front()
     } else {
         None
     };

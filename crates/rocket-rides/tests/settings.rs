@@ -1,0 +1,99 @@
+//! Settings that would endanger money are refused at start, by the real binary, with a message
+//! naming the setting; and secrets from the environment never appear in `--help`.
+
+use std::process::{Command, Output};
+
+fn rocket_rides(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rocket-rides"));
+    command.args(args).env_remove("RUST_LOG");
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    command.output().expect("run rocket-rides")
+}
+
+const LIVE_KEY: &str = "sk_live_51Zq9XvwMarker";
+const DATABASE_URL: &str = "postgres://rides:hunter2-password@127.0.0.1:1/rides";
+
+#[test]
+fn help_never_prints_the_secret_key_or_the_database_url_from_the_environment() {
+    for command in [
+        &["serve", "--help"][..],
+        &["worker", "--help"],
+        &["users", "create", "--help"],
+    ] {
+        let help = rocket_rides(
+            command,
+            &[("STRIPE_API_KEY", LIVE_KEY), ("DATABASE_URL", DATABASE_URL)],
+        );
+        assert!(help.status.success(), "{command:?}: {help:?}");
+        let text = String::from_utf8_lossy(&help.stdout);
+        assert!(
+            text.contains("STRIPE_API_KEY"),
+            "{command:?} names the variable"
+        );
+        assert!(
+            !text.contains("Zq9Xvw"),
+            "{command:?} printed the key:\n{text}"
+        );
+        assert!(
+            !text.contains("hunter2"),
+            "{command:?} printed the URL:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn a_live_key_over_plain_http_is_refused_at_start_without_naming_the_key() {
+    let refused = rocket_rides(
+        &["serve", "--listen", "127.0.0.1:0"],
+        &[
+            ("STRIPE_API_KEY", LIVE_KEY),
+            ("STRIPE_API_BASE", "http://127.0.0.1:1"),
+            ("DATABASE_URL", DATABASE_URL),
+        ],
+    );
+    assert!(!refused.status.success());
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(text.contains("--stripe-api-key"), "{text}");
+    assert!(!text.contains("Zq9Xvw"), "the key is never echoed: {text}");
+}
+
+#[test]
+fn a_key_window_below_its_floor_is_refused_at_start_naming_the_setting() {
+    let refused = rocket_rides(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--gateway-key-window",
+            "10m",
+        ],
+        &[("DATABASE_URL", DATABASE_URL)],
+    );
+    assert!(!refused.status.success());
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(text.contains("--gateway-key-window"), "{text}");
+}
+
+#[test]
+fn a_shutdown_deadline_below_the_gateway_timeout_is_refused_at_start() {
+    let refused = rocket_rides(
+        &["worker", "--once", "--shutdown-deadline", "1s"],
+        &[("DATABASE_URL", DATABASE_URL)],
+    );
+    assert!(!refused.status.success());
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(text.contains("--shutdown-deadline"), "{text}");
+}
+
+#[test]
+fn a_key_retention_shorter_than_a_day_is_refused_at_start() {
+    let refused = rocket_rides(
+        &["worker", "--once", "--key-retention", "1h"],
+        &[("DATABASE_URL", DATABASE_URL)],
+    );
+    assert!(!refused.status.success());
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(text.contains("--key-retention"), "{text}");
+}
