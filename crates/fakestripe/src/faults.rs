@@ -375,6 +375,32 @@ impl Plan {
                 delay_fault: Some(FaultKind::ScriptedHold),
                 ..quiet
             },
+            Scripted::Intermediary {
+                status,
+                empty,
+                after_charge,
+            } => {
+                let answer = IntermediaryAnswer {
+                    // Validated against INTERMEDIARY_STATUSES when it was scripted.
+                    status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
+                    body: if empty {
+                        IntermediaryBody::Empty
+                    } else {
+                        IntermediaryBody::Html
+                    },
+                };
+                if after_charge {
+                    Self {
+                        after_charge: AfterCharge::Intermediary(answer),
+                        ..quiet
+                    }
+                } else {
+                    Self {
+                        before: Some(BeforeCharge::Intermediary(answer)),
+                        ..quiet
+                    }
+                }
+            }
         }
     }
 }
@@ -419,6 +445,11 @@ impl FaultState {
         actions: Vec<Scripted>,
     ) -> Result<usize, InvalidScript> {
         self.scripts.append(customer, actions)
+    }
+
+    /// Drops the actions waiting for a customer; returns how many there were.
+    pub(crate) fn clear_script(&mut self, customer: &str) -> usize {
+        self.scripts.clear(customer)
     }
 
     /// How many scripted actions wait for a customer.

@@ -16,6 +16,10 @@
 //!     FailBefore  → 500 api_error before anything is written, as `fail_before_charge`
 //!     Hold { ms } → the charge runs and is held `ms` inside its key's transaction, as
 //!                   `stalled_charges`, with no random fault
+//!     Intermediary { status, empty, after_charge }
+//!                 → an intermediary's own answer (an HTML page, or no body), given before the
+//!                   request reaches the gateway, or after the charge was committed, as
+//!                   `intermediary_before` / `intermediary_after`
 //!     (empty)     → the drawn plan
 //! ```
 //!
@@ -24,7 +28,9 @@
 //! use, an unknown customer) is spent without holding anything, and is not counted.
 //!
 //! In JSON (`POST /charges/script` on the admin API) an action is an object with a tag:
-//! `{"action": "fail_before"}` or `{"action": "hold", "ms": 5000}`; unknown fields are refused.
+//! `{"action": "fail_before"}`, `{"action": "hold", "ms": 5000}`, or
+//! `{"action": "intermediary", "status": 404, "empty": false, "after_charge": true}` (a status of
+//! the intermediary's: 400, 404, 502, 503 or 504); unknown fields are refused.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -52,6 +58,19 @@ pub enum Scripted {
         /// How long the charge is held, at most [`MAX_LATENCY_MS`].
         ms: u64,
     },
+    /// Answer as an intermediary in front of the gateway would on its own, with `status` (one
+    /// of 400, 404, 502, 503, 504) and an HTML page, or no body when `empty`: before anything is
+    /// written, or, with `after_charge`, in place of the answer to a charge that was committed
+    /// and stored under its key. JSON:
+    /// `{"action": "intermediary", "status": 404, "empty": false, "after_charge": true}`.
+    Intermediary {
+        /// The intermediary's status.
+        status: u16,
+        /// No body at all, instead of an HTML page.
+        empty: bool,
+        /// After the charge was committed, instead of before the request reaches the gateway.
+        after_charge: bool,
+    },
 }
 
 /// Why a script was refused. The message is shown to the admin client.
@@ -63,6 +82,9 @@ pub enum InvalidScript {
     /// A hold above [`MAX_LATENCY_MS`]: it would outlast the key's lease.
     #[error("a hold must be at most {MAX_LATENCY_MS} ms, got {0} ms")]
     HoldTooLong(u64),
+    /// An intermediary status that is not one an intermediary answers with.
+    #[error("an intermediary answers 400, 404, 502, 503 or 504, not {0}")]
+    IntermediaryStatus(u16),
     /// The queue would grow past [`MAX_SCRIPTED_ACTIONS`].
     #[error(
         "at most {MAX_SCRIPTED_ACTIONS} actions may wait for one customer: {queued} wait and {adding} more were given"
@@ -82,6 +104,12 @@ struct WireAction {
     action: ActionName,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    status: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    empty: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    after_charge: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -89,17 +117,31 @@ struct WireAction {
 enum ActionName {
     FailBefore,
     Hold,
+    Intermediary,
 }
 
 impl TryFrom<WireAction> for Scripted {
     type Error = &'static str;
 
     fn try_from(wire: WireAction) -> Result<Self, Self::Error> {
+        let intermediary_fields =
+            wire.status.is_some() || wire.empty.is_some() || wire.after_charge.is_some();
         match (wire.action, wire.ms) {
+            (ActionName::FailBefore | ActionName::Hold, _) if intermediary_fields => {
+                Err("status, empty and after_charge belong to intermediary")
+            }
             (ActionName::FailBefore, None) => Ok(Self::FailBefore),
             (ActionName::FailBefore, Some(_)) => Err("fail_before takes no ms"),
             (ActionName::Hold, Some(ms)) => Ok(Self::Hold { ms }),
             (ActionName::Hold, None) => Err("hold needs ms, the milliseconds to hold the charge"),
+            (ActionName::Intermediary, Some(_)) => Err("intermediary takes no ms"),
+            (ActionName::Intermediary, None) => Ok(Self::Intermediary {
+                status: wire
+                    .status
+                    .ok_or("intermediary needs status, the intermediary's HTTP status")?,
+                empty: wire.empty.unwrap_or(false),
+                after_charge: wire.after_charge.unwrap_or(false),
+            }),
         }
     }
 }
@@ -110,10 +152,27 @@ impl From<Scripted> for WireAction {
             Scripted::FailBefore => Self {
                 action: ActionName::FailBefore,
                 ms: None,
+                status: None,
+                empty: None,
+                after_charge: None,
             },
             Scripted::Hold { ms } => Self {
                 action: ActionName::Hold,
                 ms: Some(ms),
+                status: None,
+                empty: None,
+                after_charge: None,
+            },
+            Scripted::Intermediary {
+                status,
+                empty,
+                after_charge,
+            } => Self {
+                action: ActionName::Intermediary,
+                ms: None,
+                status: Some(status),
+                empty: Some(empty),
+                after_charge: Some(after_charge),
             },
         }
     }
@@ -126,6 +185,16 @@ impl Scripted {
             Self::FailBefore => Ok(()),
             Self::Hold { ms } if ms > MAX_LATENCY_MS => Err(InvalidScript::HoldTooLong(ms)),
             Self::Hold { .. } => Ok(()),
+            Self::Intermediary { status, .. } => {
+                let known = crate::faults::INTERMEDIARY_STATUSES
+                    .iter()
+                    .any(|s| s.as_u16() == status);
+                if known {
+                    Ok(())
+                } else {
+                    Err(InvalidScript::IntermediaryStatus(status))
+                }
+            }
         }
     }
 }
@@ -160,6 +229,11 @@ impl Scripts {
         let queue = self.queues.entry(customer.to_owned()).or_default();
         queue.extend(actions);
         Ok(queue.len())
+    }
+
+    /// Drops every action waiting for the customer; returns how many there were.
+    pub(crate) fn clear(&mut self, customer: &str) -> usize {
+        self.queues.remove(customer).map_or(0, |queue| queue.len())
     }
 
     /// Takes the customer's next action, if one waits.

@@ -180,6 +180,12 @@ impl AppState {
         self.lock_faults().scripted_left(customer)
     }
 
+    /// Drops the actions waiting for `customer` (its next charges go as drawn); returns how many
+    /// there were.
+    pub fn clear_script(&self, customer: &str) -> usize {
+        self.lock_faults().clear_script(customer)
+    }
+
     /// Holds every charge that has claimed its key, before it commits, until
     /// [`AppState::release_charges`]: a test signal, so that "the gateway is slow" or "the
     /// gateway charges after the caller gave up" is a state a test sets, not a race it wins.

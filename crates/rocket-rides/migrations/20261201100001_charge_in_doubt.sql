@@ -12,9 +12,10 @@ SET LOCAL lock_timeout = '5s';
 
 ALTER TABLE rides
     -- When the gateway was last asked for the charge under the current generation's key,
-    -- recorded before the call leaves. NULL: only at charge_generation_at (the first call of
-    -- the generation follows the phase that set it). A list waits until this is older than
-    -- --gateway-processing-bound.
+    -- recorded before the call leaves (for a generation's first call, by the phase that begins
+    -- it). A list waits until this is older than --gateway-processing-bound. NULL: a ride of an
+    -- earlier version, which recorded no call: the last one is unknown, so the wait starts from
+    -- the first time a list is wanted.
     ADD COLUMN charge_attempted_at TIMESTAMPTZ,
     -- Why the current key's outcome must be found by listing before anything else, once the
     -- wait above is over; NULL when the key can simply be asked again.

@@ -242,6 +242,7 @@ pub async fn create_ride(
         past_window: false,
         // The ride's creation stands for the first call, which follows at once.
         attempted_at: first_attempt_at,
+        attempts_unknown: false,
         doubt: Kept(None),
         refusal: None,
         fresh: true,
@@ -320,9 +321,9 @@ pub(crate) async fn insert_ride(
         WITH ride AS (
             INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
                                target_lon, amount_cents, charge_first_attempt_at,
-                               charge_generation_at)
+                               charge_generation_at, charge_attempted_at)
             VALUES ($1, $2, $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()),
-                    coalesce($8::timestamptz, now()))
+                    coalesce($8::timestamptz, now()), coalesce($8::timestamptz, now()))
             RETURNING id, charge_first_attempt_at
         ), audited AS (
             INSERT INTO audit_records (user_id, action, resource_type, resource_id, data)
@@ -356,9 +357,13 @@ pub struct ChargeTarget {
     first_attempt_at: OffsetDateTime,
     /// The current generation's key was first used longer ago than the key window.
     past_window: bool,
-    /// When the gateway was last asked under the current generation's key (its first use, when
-    /// no later call was recorded): a list waits until this is older than the processing bound.
+    /// When the gateway was last asked under the current generation's key: a list waits until
+    /// this is older than the processing bound. For a ride of an earlier version, which recorded
+    /// no call, the database's now (see `attempts_unknown`).
     attempted_at: OffsetDateTime,
+    /// The ride was left by an earlier version, which did not record its calls: when it was last
+    /// asked is unknown, and before a list the wait starts from now.
+    attempts_unknown: bool,
     /// Why the key's outcome must be listed for, kept by an earlier attempt.
     #[sqlx(try_from = "Option<String>")]
     doubt: Kept,
@@ -448,7 +453,9 @@ impl ChargeTarget {
                    r.charge_generation_at
                        <= coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
                        AS past_window,
-                   coalesce(r.charge_attempted_at, r.charge_generation_at) AS attempted_at,
+                   coalesce(r.charge_attempted_at, coalesce($3::timestamptz, now()))
+                       AS attempted_at,
+                   r.charge_attempted_at IS NULL AS attempts_unknown,
                    r.charge_doubt AS doubt, r.charge_refusal AS refusal,
                    -- Loaded, so another holder may have called since the last record.
                    false AS fresh
@@ -610,6 +617,12 @@ async fn reconcile(
     doubt: Doubt,
 ) -> Result<Reconciled, BookingError> {
     if doubt.waits_for_calls() {
+        if target.attempts_unknown {
+            // An earlier version's ride: its last call is unknown, and may have been just now.
+            // The wait runs from this record.
+            record_attempt(state, lease, target).await?;
+            target.attempts_unknown = false;
+        }
         wait_for_calls(state, lease, target).await?;
     }
     if let Some(charge) = find_own_charge(state, lease, target).await? {
@@ -647,7 +660,7 @@ async fn wait_for_calls(
     let bound = millis(state.gateway_processing_bound);
     let left: i64 = sqlx::query_scalar(
         r#"
-        SELECT ceil(extract(epoch FROM coalesce(charge_attempted_at, charge_generation_at)
+        SELECT ceil(extract(epoch FROM coalesce(charge_attempted_at, coalesce($4::timestamptz, now()))
                                        + $3 * interval '1 millisecond'
                                        - coalesce($4::timestamptz, now())) * 1000)::bigint
         FROM rides WHERE user_id = $1 AND id = $2
@@ -857,7 +870,7 @@ async fn next_generation(
     let (generation, generation_at): (i32, OffsetDateTime) = sqlx::query_as(
         "UPDATE rides SET charge_generation = charge_generation + 1,
                           charge_generation_at = coalesce($3::timestamptz, now()),
-                          charge_attempted_at = NULL,
+                          charge_attempted_at = coalesce($3::timestamptz, now()),
                           charge_doubt = NULL, charge_refusal = NULL,
                           updated_at = now()
          WHERE id = $1 AND user_id = $2

@@ -441,3 +441,64 @@ async fn a_gateway_that_will_not_list_a_deleted_customer_is_reconciled_over_the_
         "then over the account: {lists:?}"
     );
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_ride_left_by_an_earlier_version_waits_from_first_sight_before_it_is_reconciled(
+    pool: PgPool,
+) {
+    let (app, user_id, api_key) = fronted_app(pool).await;
+    app.set_faults(Faults {
+        fail_before_charge: 1.0,
+        ..Faults::none()
+    });
+    assert_eq!(
+        app.post_ride(Some(&api_key), Some("k-1"), RIDE)
+            .await
+            .status,
+        503
+    );
+    // A retry charges, and its answer is lost.
+    app.set_faults(Faults {
+        drop_after_charge: 1.0,
+        ..Faults::none()
+    });
+    assert_eq!(
+        app.post_ride(Some(&api_key), Some("k-1"), RIDE)
+            .await
+            .status,
+        503
+    );
+    app.set_faults(Faults::none());
+    assert_eq!(app.charges().await, 1);
+    // As an earlier version leaves such a ride: first tried three hours before that retry, and
+    // the retry recorded nowhere.
+    sqlx::query(
+        "UPDATE rides SET charge_attempted_at = NULL,
+                          charge_first_attempt_at = charge_first_attempt_at - interval '3 hours',
+                          charge_generation_at = charge_generation_at - interval '3 hours'
+         WHERE user_id = $1",
+    )
+    .bind(user_id)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    // Resumed past its window: the last call is unknown, so the list waits from now.
+    app.clock.advance(Duration::from_secs(21 * 3600));
+    let first_sight = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(
+        (first_sight.status, problem_type(&first_sight).as_str()),
+        (503, types::PAYMENT_UNCONFIRMED),
+        "{first_sight:?}"
+    );
+    app.clock
+        .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    let done = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(done.status, 201, "{done:?}");
+    assert_eq!(
+        app.charges().await,
+        1,
+        "the charge the lost answer made, adopted"
+    );
+    assert_eq!(app.metric(ADOPTED).await, 1.0);
+    assert_eq!(ride(&app, user_id).await.2, 1);
+}

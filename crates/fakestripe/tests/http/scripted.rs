@@ -149,3 +149,76 @@ async fn admin_script_endpoint_refuses_bad_scripts_and_queues_nothing(
     assert_eq!(gw.state.scripted_left("x"), 1);
     gw.stop().await;
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_scripted_intermediary_answers_on_its_own_before_or_after_the_charge(
+    _: PgPoolOptions,
+    options: PgConnectOptions,
+) {
+    let gw = Gateway::start(options).await;
+    let customer = gw.customer("tok_visa").await;
+    gw.state.script_charges(
+        &customer,
+        vec![
+            Scripted::Intermediary {
+                status: 404,
+                empty: false,
+                after_charge: true,
+            },
+            Scripted::Intermediary {
+                status: 400,
+                empty: true,
+                after_charge: false,
+            },
+        ],
+    );
+    let charges = || fakestripe::charges_of_customer(gw.state.pool(), &customer);
+    // After the charge: a 404 page, and the charge is made and stored under its key.
+    let after = gw.charge(Some("i-1"), &customer, 2000).await;
+    assert_eq!(after.status, 404, "{}", after.text);
+    assert!(after.text.contains("<html>"), "{}", after.text);
+    assert!(!after.text.contains("\"error\""));
+    assert_eq!(charges().await.unwrap().len(), 1);
+    // Before: an empty 400, and nothing is written.
+    let before = gw.charge(Some("i-2"), &customer, 2000).await;
+    assert_eq!(before.status, 400, "{}", before.text);
+    assert!(before.text.is_empty(), "{}", before.text);
+    assert_eq!(charges().await.unwrap().len(), 1);
+    let counters = gw.state.counters();
+    assert_eq!(
+        (counters.intermediary_after, counters.intermediary_before),
+        (1, 1)
+    );
+    // The retries get the gateway's own answers: the stored charge, and a fresh one.
+    let replay = gw.charge(Some("i-1"), &customer, 2000).await;
+    assert_eq!((replay.status, replay.replayed()), (200, true));
+    let fresh = gw.charge(Some("i-2"), &customer, 2000).await;
+    assert_eq!((fresh.status, fresh.replayed()), (200, false));
+    assert_eq!(charges().await.unwrap().len(), 2);
+    // A status no intermediary here answers with is refused, and queues nothing.
+    let bad = gw.state.try_script_charges(
+        &customer,
+        vec![Scripted::Intermediary {
+            status: 200,
+            empty: true,
+            after_charge: false,
+        }],
+    );
+    assert!(bad.is_err());
+    assert_eq!(gw.state.scripted_left(&customer), 0);
+    let parsed: Vec<Scripted> = serde_json::from_str(
+        r#"[{"action": "intermediary", "status": 504, "empty": true, "after_charge": true}]"#,
+    )
+    .unwrap();
+    assert_eq!(
+        parsed,
+        [Scripted::Intermediary {
+            status: 504,
+            empty: true,
+            after_charge: true
+        }]
+    );
+    assert!(
+        serde_json::from_str::<Scripted>(r#"{"action": "hold", "ms": 5, "status": 404}"#).is_err()
+    );
+}

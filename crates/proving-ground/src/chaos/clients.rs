@@ -20,6 +20,81 @@ pub(crate) struct ClientUser {
     pub declines: bool,
 }
 
+/// `count` users of a kind of their own, with good cards (`{prefix}{i}@chaos.example`), and
+/// their customers at the gateway: for requests whose gateway faults a script chooses, so that
+/// the script strikes nobody else.
+pub(crate) async fn dedicated_users(
+    pool: &sqlx::PgPool,
+    stripe: &rocket_rides::stripe::StripeClient,
+    prefix: &str,
+    count: usize,
+) -> anyhow::Result<Vec<(ClientUser, String)>> {
+    let mut users = Vec::with_capacity(count);
+    for i in 0..count {
+        let email = format!("{prefix}{i}@chaos.example");
+        let user = rocket_rides::users::create_user(pool, stripe, &email, "tok_visa").await?;
+        let customer = user.stripe_customer_id.clone();
+        let client = ClientUser {
+            id: user.id,
+            api_key: user.api_key,
+            declines: false,
+        };
+        users.push((client, customer));
+    }
+    Ok(users)
+}
+
+/// A request's log before its first attempt.
+pub(crate) fn new_log(
+    user: ClientUser,
+    key: String,
+    amount_cents: i64,
+    body: String,
+) -> RequestLog {
+    RequestLog {
+        user,
+        key,
+        amount_cents,
+        body,
+        answers: Vec::new(),
+        late: None,
+        swapped: None,
+        final_status: None,
+        latency_ms: 0.0,
+    }
+}
+
+/// Sends the request's next attempt and keeps its answer in the log, counted by the recorder;
+/// returns the `Retry-After` asked for, and whether the answer is final (then also kept as the
+/// log's final status).
+pub(crate) async fn attempt(
+    http: &reqwest::Client,
+    target: SocketAddr,
+    recorder: &Recorder,
+    log: &mut RequestLog,
+) -> (Option<Duration>, bool) {
+    let (mut answer, retry_after) =
+        send(http, target, &log.user.api_key, &log.key, &log.body).await;
+    answer.second = recorder.second();
+    recorder.response(
+        &answer
+            .status
+            .map_or_else(|| "transport_error".to_owned(), |s| s.to_string()),
+    );
+    let status = answer.status;
+    // Final answers, and client errors that no retry can change. A 502 is final only as the
+    // service's stored refusal (payment-refused); another 502 (a proxy's) invites a retry.
+    let refused = is_payment_refused(&answer);
+    log.answers.push(answer);
+    match status {
+        Some(s) if refused || !matches!(s, 409 | 500..=599) => {
+            log.final_status = Some(s);
+            (retry_after, true)
+        }
+        _ => (retry_after, false),
+    }
+}
+
 /// One answer, as the client got it.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Answer {
@@ -132,39 +207,13 @@ async fn one_request(
     );
     let key = format!("chaos-{}-{index}", plan.seed);
     let started = Instant::now();
-    let mut log = RequestLog {
-        user,
-        key,
-        amount_cents,
-        body: body.clone(),
-        answers: Vec::new(),
-        late: None,
-        swapped: None,
-        final_status: None,
-        latency_ms: 0.0,
-    };
+    let mut log = new_log(user, key, amount_cents, body);
     let mut attempt = 0u32;
     loop {
         let target = plan.targets[rng.random_range(0..plan.targets.len())];
-        let (mut answer, retry_after) =
-            send(http, target, &log.user.api_key, &log.key, &body).await;
-        answer.second = recorder.second();
-        recorder.response(
-            &answer
-                .status
-                .map_or_else(|| "transport_error".to_owned(), |s| s.to_string()),
-        );
-        let status = answer.status;
-        log.answers.push(answer);
-        // Final answers, and client errors that no retry can change. A 502 is final only as
-        // the service's stored refusal (payment-refused); another 502 (a proxy's) invites a retry.
-        let refused = status == Some(502) && log.answers.last().is_some_and(is_payment_refused);
-        match status {
-            Some(s) if refused || !matches!(s, 409 | 500..=599) => {
-                log.final_status = Some(s);
-                break;
-            }
-            _ => {}
+        let (retry_after, finished) = self::attempt(http, target, recorder, &mut log).await;
+        if finished {
+            break;
         }
         attempt += 1;
         let backoff = BASE_BACKOFF

@@ -25,6 +25,7 @@ mod audit;
 mod clients;
 mod cluster;
 pub mod html;
+mod intermediary;
 mod leases;
 mod pgproxy;
 mod postgres;
@@ -482,26 +483,14 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
             declines,
         });
     }
-    // The straddles' users: good cards of their own, so that their customers' scripts at the
-    // gateway strike nobody else, and apart from the users the harness may refuse.
-    let mut straddlers = Vec::new();
+    // The users of the scripted requests (straddles, intermediaries): good cards of their own,
+    // so that their customers' scripts at the gateway strike nobody else, and apart from the
+    // users the harness may refuse.
+    let (mut straddlers, mut intermediated) = (Vec::new(), Vec::new());
     if on(FaultFamily::Gateway) {
-        for i in 0..STRADDLES {
-            let user = rocket_rides::users::create_user(
-                &pool,
-                &stripe,
-                &format!("straddler{i}@chaos.example"),
-                "tok_visa",
-            )
-            .await?;
-            let customer = user.stripe_customer_id.clone();
-            let client = ClientUser {
-                id: user.id,
-                api_key: user.api_key,
-                declines: false,
-            };
-            straddlers.push((client, customer));
-        }
+        straddlers = clients::dedicated_users(&pool, &stripe, "straddler", STRADDLES).await?;
+        intermediated =
+            clients::dedicated_users(&pool, &stripe, "intermediated", intermediary::USERS).await?;
         gateway.set_faults(gateway_faults);
     }
 
@@ -1114,10 +1103,22 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         },
         recorder.clone(),
     ));
+    let intermediaries = tokio::spawn(intermediary::run(
+        intermediary::Intermediaries {
+            users: intermediated,
+            targets: targets.clone(),
+            gateway: gateway.clone(),
+            attempt_timeout: plan.attempt_timeout,
+            give_up_after: args.give_up_after,
+            seed,
+        },
+        recorder.clone(),
+    ));
     let mut logs = clients::run(plan.clone(), recorder.clone(), done).await;
     let _ = progress.await;
-    // The faults go on until the straddles are over: they outlast a short run.
+    // The faults go on until the scripted requests are over: the straddles outlast a short run.
     logs.extend(straddles.await.context("the straddles")?);
+    logs.extend(intermediaries.await.context("the intermediaries")?);
     let client_secs = client_phase.elapsed().as_secs_f64();
 
     // Calm: no more faults; a worker without crash points finishes what was abandoned.

@@ -16,6 +16,10 @@
 //! has passed. The retry that follows finds the key past its window while the charge is still
 //! being made: a service that lists now finds nothing and charges again. The in-flight guard
 //! makes it wait for the processing bound instead; `--without in-flight-guard` takes it away.
+//!
+//! A straddle is counted only on evidence, after its request ended: the attempt that took the
+//! hold (the customer's script was spent once it was answered) was sent before the window's end,
+//! and a later attempt was sent after the window's end and before the hold could be over.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -37,6 +41,10 @@ const LEAD: Duration = Duration::from_millis(1500);
 const CADENCE: Duration = Duration::from_secs(3);
 /// Straddles start this far apart, so that the processes' faults strike them differently.
 const STAGGER: Duration = Duration::from_secs(2);
+/// How many failures wait for the customer's charges before the straddle: enough for every call
+/// anyone makes under the key meanwhile (the client's, a completer's, a detached booking's), so
+/// that none of them charges early.
+const FAILURES_AHEAD: usize = 1_000;
 
 /// What the straddles need.
 pub(crate) struct Straddles {
@@ -80,6 +88,30 @@ pub(crate) async fn run(plan: Straddles, recorder: Recorder) -> Vec<RequestLog> 
     logs
 }
 
+/// What one straddle saw, in the database's time.
+#[derive(Debug, Default)]
+struct Seen {
+    /// When its current generation's window ends.
+    window_end: Option<OffsetDateTime>,
+    /// The hold is queued for the customer.
+    hold_queued: bool,
+    /// When the attempt that took the hold was sent: the one after which the queue was empty.
+    held_sent: Option<OffsetDateTime>,
+    /// When every attempt was sent.
+    sent: Vec<OffsetDateTime>,
+}
+
+impl Seen {
+    /// Whether the evidence shows a straddle: the hold taken by an attempt sent before the
+    /// window's end, and another attempt sent after the end, before the hold could be over.
+    fn straddled(&self, hold: Duration) -> bool {
+        let (Some(end), Some(held)) = (self.window_end, self.held_sent) else {
+            return false;
+        };
+        held < end && self.sent.iter().any(|&at| end < at && at < held + hold)
+    }
+}
+
 async fn one(
     plan: &Straddles,
     http: &reqwest::Client,
@@ -93,80 +125,61 @@ async fn one(
     );
     let key = format!("chaos-{}-straddle-{i}", plan.seed);
     let target = plan.targets[i % plan.targets.len()];
-    let mut log = RequestLog {
-        user,
-        key,
-        amount_cents,
-        body,
-        answers: Vec::new(),
-        late: None,
-        swapped: None,
-        final_status: None,
-        latency_ms: 0.0,
-    };
+    let mut log = clients::new_log(user, key, amount_cents, body);
     let started = Instant::now();
-    let mut window_end: Option<OffsetDateTime> = None;
-    let mut held_at: Option<OffsetDateTime> = None;
-    let mut counted = false;
+    let mut seen = Seen::default();
     loop {
         let now = db_now(&plan.pool).await;
-        if window_end.is_none() {
-            window_end = generation_at(&plan.pool, &log)
+        if seen.window_end.is_none() {
+            seen.window_end = generation_at(&plan.pool, &log)
                 .await
                 .map(|at| at + plan.window);
         }
-        let straddling = matches!((window_end, now), (Some(end), Some(now)) if now >= end - LEAD);
+        let straddling =
+            matches!((seen.window_end, now), (Some(end), Some(now)) if now >= end - LEAD);
+        let past_end = matches!((seen.window_end, now), (Some(end), Some(now)) if now >= end);
         if !straddling {
             // Keep the charge from being made until the window's last moment.
-            if plan.gateway.scripted_left(&customer) == 0 {
+            let left = plan.gateway.scripted_left(&customer);
+            if left < FAILURES_AHEAD / 2 {
                 plan.gateway
-                    .script_charges(&customer, vec![Scripted::FailBefore]);
+                    .script_charges(&customer, vec![Scripted::FailBefore; FAILURES_AHEAD - left]);
             }
-        } else if held_at.is_none() && plan.gateway.scripted_left(&customer) == 0 {
+        } else if seen.hold_queued && seen.held_sent.is_none() && past_end {
+            // The window ended before any attempt took the hold (other faults got in the way):
+            // no straddle this time; the request goes on as any other.
+            plan.gateway.clear_script(&customer);
+        } else if !seen.hold_queued {
+            // A failure an attempt did not take is dropped: the next charge is held.
+            plan.gateway.clear_script(&customer);
             let ms = plan.hold.as_millis() as u64;
             plan.gateway
                 .script_charges(&customer, vec![Scripted::Hold { ms }]);
-            held_at = now;
+            seen.hold_queued = true;
         }
-        let (mut answer, retry_after) =
-            clients::send(http, target, &log.user.api_key, &log.key, &log.body).await;
-        answer.second = recorder.second();
-        recorder.response(
-            &answer
-                .status
-                .map_or_else(|| "transport_error".to_owned(), |s| s.to_string()),
-        );
-        let status = answer.status;
-        let refused = clients::is_payment_refused(&answer);
-        log.answers.push(answer);
-        // Counted once the held charge was taken (by this attempt or the completer's) and it
-        // straddles the window's end.
-        if let (Some(at), Some(end), false) = (held_at, window_end, counted) {
-            if plan.gateway.scripted_left(&customer) == 0 && at < end && end < at + plan.hold {
-                recorder.fault(KIND, 1);
-                counted = true;
-            }
+        seen.sent.extend(now);
+        let (retry_after, finished) = clients::attempt(http, target, recorder, &mut log).await;
+        let taken = seen.hold_queued && plan.gateway.scripted_left(&customer) == 0;
+        if taken && seen.held_sent.is_none() {
+            seen.held_sent = now;
         }
-        match status {
-            Some(s) if refused || !matches!(s, 409 | 500..=599) => {
-                log.final_status = Some(s);
-                break;
-            }
-            _ => {}
-        }
-        let settled_by = plan.window + plan.settle_within;
-        if started.elapsed() > settled_by {
+        if finished || started.elapsed() > plan.window + plan.settle_within {
             break;
         }
-        let wait = match (straddling, window_end, now) {
+        let wait = match (straddling, seen.window_end, now) {
             (false, Some(end), Some(now)) => {
                 let until_lead = (end - LEAD - now).try_into().unwrap_or(Duration::ZERO);
                 CADENCE.min(until_lead).max(Duration::from_millis(50))
             }
             (false, _, _) => CADENCE,
+            // Not taken yet (the attempt did not reach the gateway): at once, before the end.
+            (true, _, _) if !taken && !past_end => Duration::from_millis(200),
             (true, _, _) => retry_after.unwrap_or(Duration::from_secs(1)),
         };
         tokio::time::sleep(wait).await;
+    }
+    if seen.straddled(plan.hold) {
+        recorder.fault(KIND, 1);
     }
     log.latency_ms = started.elapsed().as_secs_f64() * 1000.0;
     log
