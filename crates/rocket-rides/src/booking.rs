@@ -524,9 +524,13 @@ async fn charge(
                 Reconciled::NewGeneration => {}
             }
         }
-        // Every call's time is recorded before it leaves: a list waits for it to be over.
+        // Every call's time is recorded before it leaves: a list waits for it to be over. The
+        // phase before a generation's first call stands for its record, unless the holder stood
+        // still since (its lease is running out by its own clock): then the call is recorded
+        // anew, as a resumed one is, and the fenced phase finds out whether the lease is still
+        // this holder's.
         let resumed = !target.fresh;
-        if resumed {
+        if resumed || state.store.lease_left(lease) < state.heartbeat {
             record_attempt(state, lease, &mut target).await?;
         }
         target.fresh = false;

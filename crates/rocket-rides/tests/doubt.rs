@@ -23,15 +23,6 @@ const NOT_FOUND_PAGE: &str = "<html><body><h1>404 Not Found</h1></body></html>";
 const IDEMPOTENCY_ERROR: &str = r#"{"error":{"type":"idempotency_error","message":"Keys for idempotent requests can only be used with the same parameters they were first used with."}}"#;
 const NO_SUCH_CUSTOMER: &str = r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"customer","message":"No such customer"}}"#;
 
-/// The ride's (status, charge id, key generation).
-async fn ride(app: &TestApp, user_id: i64) -> (String, Option<String>, i32) {
-    sqlx::query_as("SELECT status, charge_id, charge_generation FROM rides WHERE user_id = $1")
-        .bind(user_id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap()
-}
-
 /// Waits (bounded) until the gateway holds `n` charges.
 async fn charges_come_to(app: &TestApp, n: i64) {
     for _ in 0..500 {
@@ -41,20 +32,6 @@ async fn charges_come_to(app: &TestApp, n: i64) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("the gateway never came to {n} charges");
-}
-
-fn problem_type(reply: &common::Reply) -> String {
-    reply.json()["type"].as_str().unwrap_or_default().to_owned()
-}
-
-async fn fronted_app(pool: PgPool) -> (TestApp, i64, String) {
-    let lease = LeaseArgs {
-        lease_ttl: common::TTL,
-        ..Default::default()
-    };
-    let app = TestApp::start_fronted(pool, GatewayArgs::default(), lease).await;
-    let (id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    (app, id, api_key)
 }
 
 #[sqlx::test(migrations = false)]
@@ -93,7 +70,7 @@ async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_a
     app.gateway.hold_charges();
     let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
-        (second.status, problem_type(&second).as_str()),
+        (second.status, common::problem_kind(&second).as_str()),
         (503, types::GATEWAY_UNAVAILABLE)
     );
     app.gateway.charges_held(1).await;
@@ -102,7 +79,7 @@ async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_a
     app.clock.advance(Duration::from_millis(1500));
     let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
-        (third.status, problem_type(&third).as_str()),
+        (third.status, common::problem_kind(&third).as_str()),
         (503, types::PAYMENT_UNCONFIRMED),
         "{third:?}"
     );
@@ -122,7 +99,7 @@ async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_a
     assert_eq!(app.charges().await, 1, "one charge, adopted");
     assert_eq!(app.metric(ADOPTED).await, 1.0);
     assert_eq!(app.metric(NONE_FOUND).await, 0.0);
-    let (status, charge_id, generation) = ride(&app, user_id).await;
+    let (status, charge_id, generation) = common::ride_state(&app, user_id).await;
     assert_eq!((status.as_str(), generation), ("paid", 1));
     assert_eq!(fourth.json()["charge_id"].as_str(), charge_id.as_deref());
 }
@@ -131,14 +108,14 @@ async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_a
 async fn a_bodyless_504_after_the_charge_then_a_404_page_are_unknown_outcomes_never_a_refusal(
     pool: PgPool,
 ) {
-    let (app, user_id, api_key) = fronted_app(pool).await;
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
     app.front().script(vec![
         FrontAnswer::ForwardThen(504, ""),
         FrontAnswer::Answer(404, NOT_FOUND_PAGE),
     ]);
     let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
-        (first.status, problem_type(&first).as_str()),
+        (first.status, common::problem_kind(&first).as_str()),
         (503, types::GATEWAY_UNAVAILABLE)
     );
     assert_eq!(
@@ -148,7 +125,7 @@ async fn a_bodyless_504_after_the_charge_then_a_404_page_are_unknown_outcomes_ne
     );
     let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
-        (second.status, problem_type(&second).as_str()),
+        (second.status, common::problem_kind(&second).as_str()),
         (503, types::GATEWAY_UNAVAILABLE),
         "a 404 page is not the gateway's refusal: {second:?}"
     );
@@ -157,7 +134,7 @@ async fn a_bodyless_504_after_the_charge_then_a_404_page_are_unknown_outcomes_ne
     let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(third.status, 201, "{third:?}");
     assert_eq!(app.charges().await, 1);
-    assert_eq!(ride(&app, user_id).await.0, "paid");
+    assert_eq!(common::ride_state(&app, user_id).await.0, "paid");
     assert_eq!(
         app.metric(ADOPTED).await + app.metric(NONE_FOUND).await,
         0.0
@@ -166,7 +143,7 @@ async fn a_bodyless_504_after_the_charge_then_a_404_page_are_unknown_outcomes_ne
 
 #[sqlx::test(migrations = false)]
 async fn a_404_page_for_a_first_attempt_that_charged_is_never_stored_as_a_refusal(pool: PgPool) {
-    let (app, user_id, api_key) = fronted_app(pool).await;
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
     app.front()
         .script(vec![FrontAnswer::ForwardThen(404, NOT_FOUND_PAGE)]);
     let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
@@ -178,13 +155,13 @@ async fn a_404_page_for_a_first_attempt_that_charged_is_never_stored_as_a_refusa
     assert_eq!(stored, 0, "nothing final was stored");
     let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(second.status, 201, "{second:?}");
-    assert_eq!(ride(&app, user_id).await.0, "paid");
+    assert_eq!(common::ride_state(&app, user_id).await.0, "paid");
     assert_eq!(app.charges().await, 1);
 }
 
 #[sqlx::test(migrations = false)]
 async fn an_idempotency_error_after_a_charged_then_dropped_attempt_adopts_the_charge(pool: PgPool) {
-    let (app, user_id, api_key) = fronted_app(pool).await;
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
     // The gateway charges and the connection drops its answer.
     app.set_faults(Faults {
         drop_after_charge: 1.0,
@@ -201,14 +178,14 @@ async fn an_idempotency_error_after_a_charged_then_dropped_attempt_adopts_the_ch
     });
     let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
-        (second.status, problem_type(&second).as_str()),
+        (second.status, common::problem_kind(&second).as_str()),
         (503, types::PAYMENT_UNCONFIRMED),
         "never a stored 502 for a charged card: {second:?}"
     );
     assert_eq!(app.gateway.counters().idempotency_error_on_replay, 1);
     // The doubt is kept: a retry before the bound neither lists nor asks the key again.
     let early = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
-    assert_eq!(problem_type(&early), types::PAYMENT_UNCONFIRMED);
+    assert_eq!(common::problem_kind(&early), types::PAYMENT_UNCONFIRMED);
     assert_eq!(app.gateway.counters().idempotency_error_on_replay, 1);
     app.clock
         .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
@@ -216,19 +193,19 @@ async fn an_idempotency_error_after_a_charged_then_dropped_attempt_adopts_the_ch
     assert_eq!(third.status, 201, "{third:?}");
     assert_eq!(app.charges().await, 1);
     assert_eq!(app.metric(ADOPTED).await, 1.0);
-    assert_eq!(ride(&app, user_id).await.0, "paid");
+    assert_eq!(common::ride_state(&app, user_id).await.0, "paid");
 }
 
 #[sqlx::test(migrations = false)]
 async fn an_idempotency_error_with_no_charge_is_stored_as_a_502_once_the_list_shows_none(
     pool: PgPool,
 ) {
-    let (app, user_id, api_key) = fronted_app(pool).await;
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
     app.front()
         .script(vec![FrontAnswer::Json(400, IDEMPOTENCY_ERROR)]);
     let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
-        problem_type(&first),
+        common::problem_kind(&first),
         types::PAYMENT_UNCONFIRMED,
         "{first:?}"
     );
@@ -236,14 +213,14 @@ async fn an_idempotency_error_with_no_charge_is_stored_as_a_502_once_the_list_sh
         .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
     let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
-        (second.status, problem_type(&second).as_str()),
+        (second.status, common::problem_kind(&second).as_str()),
         (502, types::PAYMENT_REFUSED),
         "{second:?}"
     );
     assert_eq!(second.json()["gateway_error"]["type"], "idempotency_error");
     assert_eq!(app.metric(NONE_FOUND).await, 1.0);
     assert_eq!(app.charges().await, 0);
-    assert_eq!(ride(&app, user_id).await.0, "failed");
+    assert_eq!(common::ride_state(&app, user_id).await.0, "failed");
     // Final, and replayed as such.
     let replay = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(replay.status, 502);
@@ -254,7 +231,7 @@ async fn an_idempotency_error_with_no_charge_is_stored_as_a_502_once_the_list_sh
 async fn a_refusal_after_an_attempt_of_unknown_outcome_reconciles_and_finds_the_charge(
     pool: PgPool,
 ) {
-    let (app, user_id, api_key) = fronted_app(pool).await;
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
     app.front().script(vec![
         FrontAnswer::ForwardThen(504, "<html>504 Gateway Time-out</html>"),
         FrontAnswer::Json(400, NO_SUCH_CUSTOMER),
@@ -264,7 +241,7 @@ async fn a_refusal_after_an_attempt_of_unknown_outcome_reconciles_and_finds_the_
     assert_eq!(app.charges().await, 1);
     let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
-        (second.status, problem_type(&second).as_str()),
+        (second.status, common::problem_kind(&second).as_str()),
         (503, types::PAYMENT_UNCONFIRMED),
         "{second:?}"
     );
@@ -273,12 +250,12 @@ async fn a_refusal_after_an_attempt_of_unknown_outcome_reconciles_and_finds_the_
     let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(third.status, 201, "{third:?}");
     assert_eq!(app.charges().await, 1);
-    assert_eq!(ride(&app, user_id).await.0, "paid");
+    assert_eq!(common::ride_state(&app, user_id).await.0, "paid");
 }
 
 #[sqlx::test(migrations = false)]
 async fn the_reconciling_list_is_bounded_by_the_first_attempt_and_the_last_call(pool: PgPool) {
-    let (app, _, api_key) = fronted_app(pool).await;
+    let (app, _, api_key) = common::fronted_app(pool).await;
     // The first attempt fails before charging; the resumed one, hours later, is answered with
     // an idempotency error.
     app.set_faults(Faults {
@@ -340,12 +317,16 @@ async fn the_reconciling_list_is_bounded_by_the_first_attempt_and_the_last_call(
     );
 }
 
-#[sqlx::test(migrations = false)]
-async fn a_holder_whose_lease_ran_out_before_its_first_call_never_calls(pool: PgPool) {
-    use rocket_rides::booking::{self, BookingError, RidePoint};
-    let (app, user_id, _) = fronted_app(pool).await;
-    // The first phase commits (the ride is created), and then the holder stands still past its
-    // lease before its first gateway call.
+/// A new key's first phase done by hand, as the handler does it: the ride exists, and the holder
+/// has its lease and what its first call needs, and has not called yet.
+async fn first_phase_done(
+    app: &TestApp,
+    user_id: i64,
+) -> (
+    idempotency::Lease<rocket_rides::booking::RidePoint>,
+    rocket_rides::booking::ChargeTarget,
+) {
+    use rocket_rides::booking::{self, RidePoint};
     let key = idempotency::IdempotencyKey::parse(b"k-1").unwrap();
     let (request, body) = rocket_rides::ride::RideRequest::parse(RIDE.as_bytes()).unwrap();
     let params = serde_json::to_value(&request).unwrap();
@@ -374,9 +355,18 @@ async fn a_holder_whose_lease_ran_out_before_its_first_call_never_calls(pool: Pg
         .fetch_one(&app.pool)
         .await
         .unwrap();
-    let (mut stale, target) = booking::create_ride(&app.state, first, &request, &customer)
+    booking::create_ride(&app.state, first, &request, &customer)
         .await
-        .unwrap();
+        .unwrap()
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_holder_whose_lease_ran_out_before_its_first_call_never_calls(pool: PgPool) {
+    use rocket_rides::booking::{self, BookingError};
+    let (app, user_id, _) = common::fronted_app(pool).await;
+    // The first phase commits (the ride is created), and then the holder stands still past its
+    // lease before its first gateway call.
+    let (mut stale, target) = first_phase_done(&app, user_id).await;
     app.expire_leases();
     // Another attempt takes the key over and moves the charge to a new generation.
     let taker = match app.claim(user_id, "k-1").await {
@@ -405,7 +395,7 @@ async fn a_holder_whose_lease_ran_out_before_its_first_call_never_calls(pool: Pg
 async fn a_gateway_that_will_not_list_a_deleted_customer_is_reconciled_over_the_account(
     pool: PgPool,
 ) {
-    let (app, user_id, api_key) = fronted_app(pool).await;
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
     // Charged behind a front that answered 504; then the customer is refused for good.
     app.front().script(vec![
         FrontAnswer::ForwardThen(504, ""),
@@ -418,7 +408,7 @@ async fn a_gateway_that_will_not_list_a_deleted_customer_is_reconciled_over_the_
         503
     );
     let second = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
-    assert_eq!(problem_type(&second), types::PAYMENT_UNCONFIRMED);
+    assert_eq!(common::problem_kind(&second), types::PAYMENT_UNCONFIRMED);
     // The gateway will not list the customer either.
     app.front()
         .script_lists(vec![FrontAnswer::Json(400, NO_SUCH_CUSTOMER)]);
@@ -427,7 +417,7 @@ async fn a_gateway_that_will_not_list_a_deleted_customer_is_reconciled_over_the_
     let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(third.status, 201, "{third:?}");
     assert_eq!(app.charges().await, 1);
-    assert_eq!(ride(&app, user_id).await.0, "paid");
+    assert_eq!(common::ride_state(&app, user_id).await.0, "paid");
     let lists: Vec<String> = app
         .front()
         .seen()
@@ -446,7 +436,7 @@ async fn a_gateway_that_will_not_list_a_deleted_customer_is_reconciled_over_the_
 async fn a_ride_left_by_an_earlier_version_waits_from_first_sight_before_it_is_reconciled(
     pool: PgPool,
 ) {
-    let (app, user_id, api_key) = fronted_app(pool).await;
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
     app.set_faults(Faults {
         fail_before_charge: 1.0,
         ..Faults::none()
@@ -486,7 +476,10 @@ async fn a_ride_left_by_an_earlier_version_waits_from_first_sight_before_it_is_r
     app.clock.advance(Duration::from_secs(21 * 3600));
     let first_sight = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
-        (first_sight.status, problem_type(&first_sight).as_str()),
+        (
+            first_sight.status,
+            common::problem_kind(&first_sight).as_str()
+        ),
         (503, types::PAYMENT_UNCONFIRMED),
         "{first_sight:?}"
     );
@@ -500,5 +493,30 @@ async fn a_ride_left_by_an_earlier_version_waits_from_first_sight_before_it_is_r
         "the charge the lost answer made, adopted"
     );
     assert_eq!(app.metric(ADOPTED).await, 1.0);
-    assert_eq!(ride(&app, user_id).await.2, 1);
+    assert_eq!(common::ride_state(&app, user_id).await.2, 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_first_call_after_the_holder_stood_still_is_recorded_before_it_leaves(pool: PgPool) {
+    use rocket_rides::booking;
+    let (app, user_id, _) = common::fronted_app(pool).await;
+    let (mut lease, target) = first_phase_done(&app, user_id).await;
+    // Most of the lease went by between the first phase and the call, and nobody took over.
+    app.clock.advance(common::TTL - Duration::from_secs(1));
+    let expected = app.clock_now();
+    let booked = booking::run(&app.state, &mut lease, Some(target)).await;
+    assert_eq!(booked.map(|r| r.status).ok(), Some(201));
+    let (created, attempted): (time::OffsetDateTime, time::OffsetDateTime) = sqlx::query_as(
+        "SELECT charge_generation_at, charge_attempted_at FROM rides WHERE user_id = $1",
+    )
+    .bind(user_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(
+        attempted > created,
+        "the call's own time: {attempted} after {created}"
+    );
+    // PostgreSQL keeps microseconds.
+    assert!((attempted - expected).abs() < time::Duration::milliseconds(1));
 }

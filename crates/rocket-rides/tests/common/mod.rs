@@ -468,3 +468,29 @@ impl Reply {
         self.json()["type"].as_str().unwrap().to_owned()
     }
 }
+
+/// Both servers with a [`front::Front`] between the service and the gateway, default limits and
+/// the tests' lease, and one user with a good card: (app, user id, API key).
+pub async fn fronted_app(pool: PgPool) -> (TestApp, i64, String) {
+    let lease = LeaseArgs {
+        lease_ttl: TTL,
+        ..Default::default()
+    };
+    let app = TestApp::start_fronted(pool, GatewayArgs::default(), lease).await;
+    let (id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    (app, id, api_key)
+}
+
+/// The user's only ride: (status, charge id, key generation).
+pub async fn ride_state(app: &TestApp, user_id: i64) -> (String, Option<String>, i32) {
+    sqlx::query_as("SELECT status, charge_id, charge_generation FROM rides WHERE user_id = $1")
+        .bind(user_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// The problem `type` of an answer; empty for an answer that is not a problem.
+pub fn problem_kind(reply: &Reply) -> String {
+    reply.json()["type"].as_str().unwrap_or_default().to_owned()
+}
