@@ -54,6 +54,8 @@ pub use store::{
     RecoveryPoint, Store, DEFAULT_LEASE_TTL,
 };
 pub use uuid::Uuid;
+/// The time type of [`ManualClock::new`], [`Clock::now`] and the store's timestamps.
+pub use time::OffsetDateTime;
 
 /// Creates or updates the crate's table in the database behind `pool`.
 ///
