@@ -53,9 +53,9 @@ pub use store::{
     Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease, NewRequest, OneStep, Phase,
     RecoveryPoint, Store, DEFAULT_LEASE_TTL,
 };
-pub use uuid::Uuid;
 /// The time type of [`ManualClock::new`], [`Clock::now`] and the store's timestamps.
 pub use time::OffsetDateTime;
+pub use uuid::Uuid;
 
 /// Creates or updates the crate's table in the database behind `pool`.
 ///
