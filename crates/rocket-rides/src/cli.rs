@@ -210,61 +210,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             lease,
             shutdown,
         } => {
-            crate::config::validate_http(&http, &gateway).map_err(anyhow::Error::msg)?;
-            crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
-            let pool = connect_serving(&db, max_connections).await?;
-            let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
-            state.http = http.clone();
-            let listener = tokio::net::TcpListener::bind(listen)
-                .await
-                .with_context(|| format!("listen on {listen}"))?;
-            let steps = Shutdown::new();
-            state.giving_up = steps.giving_up();
-            if let Some(address) = metrics_listen {
-                let metrics = tokio::net::TcpListener::bind(address)
-                    .await
-                    .with_context(|| format!("listen on {address}"))?;
-                tracing::info!(address = %metrics.local_addr()?, "serving metrics");
-                let mut stopping = steps.stopping();
-                let (router, limits, counters) = (
-                    app::metrics_router(state.clone()),
-                    http.clone(),
-                    state.metrics.clone(),
-                );
-                tokio::spawn(app::serve(metrics, router, limits, counters, async move {
-                    stopping.wait().await
-                }));
-            }
-            tracing::info!(address = %listener.local_addr()?, "serving");
-            let mut stopping = steps.stopping();
-            tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
-            let mut giving_up = state.giving_up.clone();
-            let tasks = state.tasks.clone();
-            let router = app::api_router(state.clone(), metrics_listen.is_none());
-            let serving = app::serve(listener, router, http, state.metrics.clone(), async move {
-                stopping.wait().await
-            });
-            let hard_stop = async {
-                giving_up.wait().await;
-                tokio::time::sleep(HARD_STOP_MARGIN).await;
-            };
-            tokio::pin!(hard_stop);
-            tokio::select! {
-                served = serving => served?,
-                () = &mut hard_stop => {
-                    tracing::warn!("connections still open past the shutdown deadline; exiting")
-                }
-            }
-            // Bookings run detached from their connections: a client that hung up does not end
-            // its booking. Wait for them too; at the deadline they release their leases and end.
-            tasks.close();
-            tokio::select! {
-                () = tasks.wait() => {}
-                () = &mut hard_stop => {
-                    tracing::warn!(left = tasks.len(), "bookings still running past the shutdown deadline; exiting")
-                }
-            }
-            tracing::info!("stopped");
+            serve(Serving {
+                db,
+                listen,
+                max_connections,
+                metrics_listen,
+                http,
+                gateway,
+                lease,
+                shutdown,
+            })
+            .await?;
         }
         Command::Worker {
             db,
@@ -359,6 +315,89 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// What `serve` runs with: its command line.
+struct Serving {
+    db: DatabaseArgs,
+    listen: SocketAddr,
+    max_connections: u32,
+    metrics_listen: Option<SocketAddr>,
+    http: HttpArgs,
+    gateway: GatewayArgs,
+    lease: LeaseArgs,
+    shutdown: ShutdownArgs,
+}
+
+/// `rocket-rides serve`: the API (and its metrics listener) until SIGTERM or SIGINT, then the
+/// two-step shutdown.
+async fn serve(settings: Serving) -> anyhow::Result<()> {
+    let Serving {
+        db,
+        listen,
+        max_connections,
+        metrics_listen,
+        http,
+        gateway,
+        lease,
+        shutdown,
+    } = settings;
+    crate::config::validate_http(&http, &gateway).map_err(anyhow::Error::msg)?;
+    crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
+    let pool = connect_serving(&db, max_connections).await?;
+    let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
+    state.http = http.clone();
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("listen on {listen}"))?;
+    let steps = Shutdown::new();
+    state.giving_up = steps.giving_up();
+    if let Some(address) = metrics_listen {
+        let metrics = tokio::net::TcpListener::bind(address)
+            .await
+            .with_context(|| format!("listen on {address}"))?;
+        tracing::info!(address = %metrics.local_addr()?, "serving metrics");
+        let mut stopping = steps.stopping();
+        let (router, limits, counters) = (
+            app::metrics_router(state.clone()),
+            http.clone(),
+            state.metrics.clone(),
+        );
+        tokio::spawn(app::serve(metrics, router, limits, counters, async move {
+            stopping.wait().await
+        }));
+    }
+    tracing::info!(address = %listener.local_addr()?, "serving");
+    let mut stopping = steps.stopping();
+    tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
+    let mut giving_up = state.giving_up.clone();
+    let tasks = state.tasks.clone();
+    let router = app::api_router(state.clone(), metrics_listen.is_none());
+    let serving = app::serve(listener, router, http, state.metrics.clone(), async move {
+        stopping.wait().await
+    });
+    let hard_stop = async {
+        giving_up.wait().await;
+        tokio::time::sleep(HARD_STOP_MARGIN).await;
+    };
+    tokio::pin!(hard_stop);
+    tokio::select! {
+        served = serving => served?,
+        () = &mut hard_stop => {
+            tracing::warn!("connections still open past the shutdown deadline; exiting")
+        }
+    }
+    // Bookings run detached from their connections: a client that hung up does not end
+    // its booking. Wait for them too; at the deadline they release their leases and end.
+    tasks.close();
+    tokio::select! {
+        () = tasks.wait() => {}
+        () = &mut hard_stop => {
+            tracing::warn!(left = tasks.len(), "bookings still running past the shutdown deadline; exiting")
+        }
+    }
+    tracing::info!("stopped");
     Ok(())
 }
 

@@ -30,37 +30,9 @@ const INTERMEDIARY_JSON: &str =
     r#"{"error":{"code":"NotFound","message":"The requested resource was not found."}}"#;
 const IDEMPOTENCY_ERROR: &str = r#"{"error":{"type":"idempotency_error","message":"Keys for idempotent requests can only be used with the same parameters they were first used with."}}"#;
 
-/// The request UUID of the only key of this user.
-async fn request_uuid(app: &TestApp, user_id: i64) -> String {
-    sqlx::query_scalar("SELECT request_uuid::text FROM idempotency_keys WHERE user_id = $1")
-        .bind(user_id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap()
-}
-
-/// Gateway charges (any status) whose metadata names this request.
-async fn charges_of_request(app: &TestApp, request: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM fakestripe.charges WHERE metadata->>'rocket_rides_request' = $1",
-    )
-    .bind(request)
-    .fetch_one(&app.pool)
-    .await
-    .unwrap()
-}
-
 /// The stored response status of the only key of this user, if any.
 async fn stored_status(app: &TestApp, user_id: i64) -> Option<i32> {
     sqlx::query_scalar("SELECT response_status::int FROM idempotency_keys WHERE user_id = $1")
-        .bind(user_id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap()
-}
-
-async fn customer(app: &TestApp, user_id: i64) -> String {
-    sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
         .bind(user_id)
         .fetch_one(&app.pool)
         .await
@@ -107,8 +79,8 @@ async fn until_final(app: &TestApp, api_key: &str, key: &str) -> common::Reply {
 /// paid ride whose charge is the request's only one, a stored 402/502 only with no succeeded
 /// charge at the gateway.
 async fn assert_one_key_one_effect(app: &TestApp, user_id: i64, what: &str) {
-    let request = request_uuid(app, user_id).await;
-    let charges = charges_of_request(app, &request).await;
+    let request = common::request_uuid(app, user_id).await;
+    let charges = common::charges_of_request(app, &request).await;
     let succeeded: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM fakestripe.charges
          WHERE metadata->>'rocket_rides_request' = $1 AND status = 'succeeded'",
@@ -293,7 +265,7 @@ async fn fixed_a_call_the_previous_version_has_in_flight_is_not_waited_for_past_
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
     // A call under generation 1 that the gateway takes 2.5 s to make (within the 3 s bound):
     // our side gives up after 1 s.
-    let customer = customer(&app, user_id).await;
+    let customer = common::customer(&app, user_id).await;
     app.gateway
         .script_charges(&customer, vec![Scripted::Hold { ms: 2500 }]);
     let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
@@ -341,7 +313,7 @@ async fn defended_a_deleted_customer_after_an_attempt_that_never_reached_the_gat
 ) {
     let app = TestApp::start(pool).await;
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    let customer = customer(&app, user_id).await;
+    let customer = common::customer(&app, user_id).await;
     app.gateway
         .script_charges(&customer, vec![Scripted::FailBefore]);
     assert_eq!(
@@ -383,7 +355,7 @@ async fn defended_a_deleted_customer_after_a_charged_attempt_gets_its_charge(poo
         503
     );
     app.set_faults(Faults::none());
-    delete_customer(&app, &customer(&app, user_id).await).await;
+    delete_customer(&app, &common::customer(&app, user_id).await).await;
     let second = until_final(&app, &api_key, "k-1").await;
     assert_eq!(second.status, 201, "{second:?}");
     assert_one_key_one_effect(&app, user_id, "deleted customer after a charge").await;

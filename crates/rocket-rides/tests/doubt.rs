@@ -23,17 +23,6 @@ const NOT_FOUND_PAGE: &str = "<html><body><h1>404 Not Found</h1></body></html>";
 const IDEMPOTENCY_ERROR: &str = r#"{"error":{"type":"idempotency_error","message":"Keys for idempotent requests can only be used with the same parameters they were first used with."}}"#;
 const NO_SUCH_CUSTOMER: &str = r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"customer","message":"No such customer"}}"#;
 
-/// Waits (bounded) until the gateway holds `n` charges.
-async fn charges_come_to(app: &TestApp, n: i64) {
-    for _ in 0..500 {
-        if app.charges().await == n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the gateway never came to {n} charges");
-}
-
 #[sqlx::test(migrations = false)]
 async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_adopted(
     pool: PgPool,
@@ -90,7 +79,7 @@ async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_a
 
     // The gateway makes the charge it was asked for.
     app.gateway.release_charges();
-    charges_come_to(&app, 1).await;
+    common::charges_come_to(&app, 1).await;
 
     // Past the processing bound, the list finds it.
     app.clock.advance(Duration::from_secs(after));

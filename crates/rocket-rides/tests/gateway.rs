@@ -25,39 +25,9 @@ async fn app_with_user(pool: PgPool) -> (TestApp, i64, String) {
     (app, id, api_key)
 }
 
-/// The request UUID of the only key of this user.
-async fn request_uuid(app: &TestApp, user_id: i64) -> String {
-    sqlx::query_scalar("SELECT request_uuid::text FROM idempotency_keys WHERE user_id = $1")
-        .bind(user_id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap()
-}
-
-/// Gateway charges whose metadata names this request.
-async fn charges_of_request(app: &TestApp, request: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM fakestripe.charges
-         WHERE metadata->>'rocket_rides_request' = $1 AND status = 'succeeded'",
-    )
-    .bind(request)
-    .fetch_one(&app.pool)
-    .await
-    .unwrap()
-}
-
 /// The ride's (status, charge id, key generation).
 async fn ride(app: &TestApp, user_id: i64) -> (String, Option<String>, i32) {
     sqlx::query_as("SELECT status, charge_id, charge_generation FROM rides WHERE user_id = $1")
-        .bind(user_id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap()
-}
-
-/// The user's customer id at the gateway.
-async fn customer(app: &TestApp, user_id: i64) -> String {
-    sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
         .bind(user_id)
         .fetch_one(&app.pool)
         .await
@@ -77,7 +47,7 @@ async fn every_charge_names_its_request_and_ride_in_its_metadata(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     let reply = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(reply.status, 201, "{reply:?}");
-    let request = request_uuid(&app, user_id).await;
+    let request = common::request_uuid(&app, user_id).await;
     let metadata: serde_json::Value = sqlx::query_scalar("SELECT metadata FROM fakestripe.charges")
         .fetch_one(&app.pool)
         .await
@@ -396,8 +366,8 @@ async fn a_sticky_500_followed_by_a_crash_still_ends_with_one_charge(pool: PgPoo
     assert_eq!(resumed.status, 201, "{resumed:?}");
     assert_eq!(app.charges().await, 1);
     assert_eq!(app.metric(ADOPTED).await, 2.0);
-    let request = request_uuid(&app, user_id).await;
-    assert_eq!(charges_of_request(&app, &request).await, 1);
+    let request = common::request_uuid(&app, user_id).await;
+    assert_eq!(common::charges_of_request(&app, &request).await, 1);
 }
 
 #[sqlx::test(migrations = false)]
@@ -405,7 +375,7 @@ async fn a_reconciling_list_that_spans_two_pages_finds_the_charge(pool: PgPool) 
     let (app, user_id, api_key) = app_with_user(pool).await;
     charged_then_crashed(&app, &api_key).await;
     // 120 newer charges of the same customer push ours to the second page (pages of 100).
-    let customer = customer(&app, user_id).await;
+    let customer = common::customer(&app, user_id).await;
     for i in 0..120 {
         let metadata = [("rocket_rides_request", format!("another-{i}"))];
         let charge = rocket_rides::stripe::NewCharge {
@@ -426,9 +396,9 @@ async fn a_reconciling_list_that_spans_two_pages_finds_the_charge(pool: PgPool) 
     let resumed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(resumed.status, 201, "{resumed:?}");
     assert_eq!(app.metric(ADOPTED).await, 1.0);
-    let request = request_uuid(&app, user_id).await;
+    let request = common::request_uuid(&app, user_id).await;
     assert_eq!(
-        charges_of_request(&app, &request).await,
+        common::charges_of_request(&app, &request).await,
         1,
         "no second charge"
     );
@@ -437,7 +407,7 @@ async fn a_reconciling_list_that_spans_two_pages_finds_the_charge(pool: PgPool) 
 #[sqlx::test(migrations = false)]
 async fn a_permanent_refusal_finishes_the_request_with_a_stored_502_and_no_charge(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
-    let customer = customer(&app, user_id).await;
+    let customer = common::customer(&app, user_id).await;
     let deleted = app
         .http
         .delete(format!(

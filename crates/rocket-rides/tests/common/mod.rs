@@ -494,3 +494,44 @@ pub async fn ride_state(app: &TestApp, user_id: i64) -> (String, Option<String>,
 pub fn problem_kind(reply: &Reply) -> String {
     reply.json()["type"].as_str().unwrap_or_default().to_owned()
 }
+
+/// The request UUID of the only key of this user.
+pub async fn request_uuid(app: &TestApp, user_id: i64) -> String {
+    sqlx::query_scalar("SELECT request_uuid::text FROM idempotency_keys WHERE user_id = $1")
+        .bind(user_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// Gateway charges whose metadata names this request.
+pub async fn charges_of_request(app: &TestApp, request: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM fakestripe.charges
+         WHERE metadata->>'rocket_rides_request' = $1 AND status = 'succeeded'",
+    )
+    .bind(request)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+}
+
+/// The user's customer id at the gateway.
+pub async fn customer(app: &TestApp, user_id: i64) -> String {
+    sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
+        .bind(user_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// Waits (bounded) until the gateway holds `n` charges.
+pub async fn charges_come_to(app: &TestApp, n: i64) {
+    for _ in 0..500 {
+        if app.charges().await == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the gateway never came to {n} charges");
+}
