@@ -40,6 +40,7 @@ mod clock;
 mod error;
 mod fingerprint;
 mod key;
+pub mod lease;
 mod response;
 mod store;
 
@@ -48,6 +49,7 @@ pub use clock::{Clock, DatabaseClock, ManualClock};
 pub use error::Error;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
+pub use lease::LEASE_LOG;
 pub use response::StoredResponse;
 pub use store::{
     Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease, NewRequest, OneStep, Phase,

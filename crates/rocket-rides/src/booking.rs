@@ -170,25 +170,6 @@ fn crash_point(state: &AppState, point: &'static str) -> Result<(), BookingError
     Ok(())
 }
 
-/// The log target of a lease's life in a booking: every write about to be made under a lease (a
-/// phase, a gateway call, a release), at debug level, with `write` naming it; and every renewal
-/// that found the lease taken over, at warn level, with `lost_on_renewal = true`; each with the
-/// key and the fencing token. The chaos harness reads them to check that a holder whose renewal
-/// lost its lease wrote nothing after.
-pub const LEASE_LOG: &str = "rocket_rides::lease";
-
-/// Logs a write about to be made under `lease` (see [`LEASE_LOG`]): `phase`, `gateway`,
-/// `release`.
-pub(crate) fn writing(lease: &Lease<RidePoint>, write: &'static str) {
-    tracing::debug!(
-        target: LEASE_LOG,
-        key_id = lease.key_id(),
-        token = lease.token(),
-        write,
-        "writing under the lease"
-    );
-}
-
 /// What one step did.
 enum Step {
     /// A phase committed; run the next one.
@@ -297,7 +278,6 @@ async fn resume_started(
     })?;
     let user_id = lease.user_id();
     let started = Instant::now();
-    writing(lease, "phase");
     let mut phase = state.store.phase(lease, RidePoint::RideCreated).await?;
     let key_id = phase.key_id();
     insert_ride(phase.conn(), state, user_id, Some(key_id), &request).await?;
@@ -530,7 +510,7 @@ async fn charge(
         // anew, as a resumed one is, and the fenced phase finds out whether the lease is still
         // this holder's.
         let resumed = !target.fresh;
-        if resumed || state.store.lease_left(lease) < state.heartbeat {
+        if resumed || state.store.lease_left(lease) < state.store.heartbeat() {
             record_attempt(state, lease, &mut target).await?;
         }
         target.fresh = false;
@@ -605,7 +585,7 @@ async fn call_gateway(
         metadata: &metadata,
     };
     let started = Instant::now();
-    let result = with_heartbeat(state, lease, state.stripe.create_charge(&key, &new_charge)).await;
+    let result = under_lease(state, lease, state.stripe.create_charge(&key, &new_charge)).await;
     state
         .metrics
         .gateway_call(GatewayCall::CreateCharge, started.elapsed());
@@ -706,7 +686,6 @@ async fn record_attempt(
     let user_id = lease.user_id();
     let point = lease.recovery_point();
     let started = Instant::now();
-    writing(lease, "phase");
     let mut phase = state.store.phase(lease, point).await?;
     target.attempted_at = sqlx::query_scalar(
         "UPDATE rides SET charge_attempted_at = coalesce($3::timestamptz, now()),
@@ -749,7 +728,6 @@ async fn keep_doubt(
     let user_id = lease.user_id();
     let point = lease.recovery_point();
     let started = Instant::now();
-    writing(lease, "phase");
     let mut phase = state.store.phase(lease, point).await?;
     sqlx::query(
         "UPDATE rides SET charge_doubt = $3, charge_refusal = $4, updated_at = now()
@@ -838,7 +816,7 @@ async fn list(
     until: i64,
 ) -> Result<Result<Vec<Charge>, ChargeError>, BookingError> {
     let started = Instant::now();
-    let listed = with_heartbeat(
+    let listed = under_lease(
         state,
         lease,
         state.stripe.list_charges(customer, since, until),
@@ -869,7 +847,6 @@ async fn next_generation(
     let now = state.store.now();
     let point = lease.recovery_point();
     let started = Instant::now();
-    writing(lease, "phase");
     let mut phase = state.store.phase(lease, point).await?;
     let (generation, generation_at): (i32, OffsetDateTime) = sqlx::query_as(
         "UPDATE rides SET charge_generation = charge_generation + 1,
@@ -971,7 +948,6 @@ async fn paid(
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let started = Instant::now();
-    writing(lease, "phase");
     let mut phase = state.store.final_phase(lease).await?;
     let adopted = found == Found::Adopted;
     let ride = charge_paid(phase.conn(), user_id, ride_id, &charge.id, adopted).await?;
@@ -991,7 +967,6 @@ async fn record_pending(
 ) -> Result<(), BookingError> {
     let user_id = lease.user_id();
     let started = Instant::now();
-    writing(lease, "phase");
     let mut phase = state.store.phase(lease, RidePoint::ChargePending).await?;
     sqlx::query(
         "UPDATE rides SET charge_id = $3, status = 'payment_pending', updated_at = now()
@@ -1029,7 +1004,7 @@ async fn resolve_pending(
         ))
     })?;
     let started = Instant::now();
-    let result = with_heartbeat(state, lease, state.stripe.retrieve_charge(&charge_id)).await;
+    let result = under_lease(state, lease, state.stripe.retrieve_charge(&charge_id)).await;
     state
         .metrics
         .gateway_call(GatewayCall::RetrieveCharge, started.elapsed());
@@ -1078,62 +1053,28 @@ async fn refusal_or_error(
     }
 }
 
-/// Awaits a foreign call while renewing the lease every heartbeat period, and first, if little
-/// of it is left by this process's own clock.
-///
-/// A call that outlives the lease TTL would otherwise let another attempt take the key over and
-/// call again (harmless for the charge, whose key is the same, but wasteful). If a renewal finds
-/// the lease taken over, the call is abandoned at once and nothing more is written: the new
-/// holder carries on under the same gateway key.
-async fn with_heartbeat<T>(
+/// Awaits a foreign call under the lease, with the library's lease kit
+/// ([`idempotency::Store::call_under_lease`]): confirmed before the call (a holder that stood
+/// still past its lease may have lost the key, and its new holder may have moved on to another
+/// generation of the gateway key: charging this one now would charge twice), renewed during it,
+/// and abandoned at once when a renewal finds the lease taken over; the new holder carries on
+/// under the same gateway key.
+async fn under_lease<T>(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
     call: impl std::future::Future<Output = T>,
 ) -> Result<T, BookingError> {
-    // A holder that stood still past its lease (a paused process, a frozen machine) may have
-    // lost the key without knowing, and a new holder may have moved on to another generation of
-    // the gateway key: charging this one now would charge twice. Ask before the call.
-    if state.store.lease_left(lease) < state.heartbeat {
-        renew(state, lease).await?;
-    }
-    writing(lease, "gateway");
-    tokio::pin!(call);
-    let start = tokio::time::Instant::now() + state.heartbeat;
-    let mut ticker = tokio::time::interval_at(start, state.heartbeat);
-    let mut renewing = true;
-    loop {
-        tokio::select! {
-            outcome = &mut call => return Ok(outcome),
-            _ = ticker.tick(), if renewing => match renew(state, lease).await {
-                Ok(()) => {
-                    tracing::debug!(key_id = lease.key_id(), "lease renewed during the call");
-                }
-                // The chaos harness's negative control: the holder goes on regardless.
-                Err(idempotency::Error::LeaseLost { .. })
-                    if state.failpoints.carry_on_after_lost_lease() =>
-                {
-                    renewing = false;
-                }
-                Err(e) => return Err(e.into()),
-            },
+    let mut call = std::pin::pin!(call);
+    match state.store.watch_under_lease(lease, &mut call).await {
+        Ok(outcome) => Ok(outcome),
+        // The chaos harness's negative control: the holder goes on regardless.
+        Err(idempotency::Error::LeaseLost { .. })
+            if state.failpoints.carry_on_after_lost_lease() =>
+        {
+            Ok(call.await)
         }
+        Err(e) => Err(e.into()),
     }
-}
-
-/// Renews the lease; a renewal that finds it taken over is logged on [`LEASE_LOG`], and its
-/// holder must write nothing more.
-async fn renew(state: &AppState, lease: &mut Lease<RidePoint>) -> Result<(), idempotency::Error> {
-    let renewed = state.store.renew(lease).await;
-    if let Err(idempotency::Error::LeaseLost { .. }) = &renewed {
-        tracing::warn!(
-            target: LEASE_LOG,
-            key_id = lease.key_id(),
-            token = lease.token(),
-            lost_on_renewal = true,
-            "lease lost on renewal: nothing more is written"
-        );
-    }
-    renewed
 }
 
 /// The final phase of a declined card: the ride is marked, the 402 is stored.
@@ -1146,7 +1087,6 @@ async fn declined(
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let started = Instant::now();
-    writing(lease, "phase");
     let mut phase = state.store.final_phase(lease).await?;
     // A charge recorded pending that then failed is not the ride's charge: it moved no money.
     sqlx::query(
@@ -1222,7 +1162,6 @@ async fn refused(
     );
     let user_id = lease.user_id();
     let started = Instant::now();
-    writing(lease, "phase");
     let mut phase = state.store.final_phase(lease).await?;
     sqlx::query(
         "UPDATE rides SET status = 'failed', charge_doubt = NULL, charge_refusal = NULL,
@@ -1269,7 +1208,6 @@ async fn finish_recorded(
     let user_id = lease.user_id();
     let key_id = lease.key_id();
     let started = Instant::now();
-    writing(lease, "phase");
     let mut phase = state.store.final_phase(lease).await?;
     let ride = RideView::by_key(&mut *phase.conn(), user_id, key_id)
         .await

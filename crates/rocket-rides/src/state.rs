@@ -32,12 +32,11 @@ pub enum StartError {
 pub struct AppState {
     /// The database.
     pub pool: PgPool,
-    /// The idempotency key store, over the same pool.
+    /// The idempotency key store, over the same pool; it renews leases every `--lease-heartbeat`
+    /// while a request waits on the gateway.
     pub store: Store,
     /// The payment gateway.
     pub stripe: StripeClient,
-    /// How often a request renews its lease while it waits on the gateway.
-    pub heartbeat: Duration,
     /// How long after its first use a gateway key is trusted to be remembered.
     pub gateway_key_window: Duration,
     /// How long the gateway may still be working on a request we sent: no reconciling list is
@@ -64,13 +63,13 @@ impl AppState {
         lease: &LeaseArgs,
     ) -> Result<Self, StartError> {
         crate::config::validate(gateway, lease).map_err(StartError::Settings)?;
-        let store = Store::new(pool.clone(), clock, lease.lease_ttl)?;
+        let store = Store::new(pool.clone(), clock, lease.lease_ttl)?
+            .with_heartbeat(lease.lease_heartbeat)?;
         let stripe = gateway.client()?;
         Ok(Self {
             pool,
             store,
             stripe,
-            heartbeat: lease.lease_heartbeat,
             gateway_key_window: gateway.gateway_key_window,
             gateway_processing_bound: gateway.gateway_processing_bound,
             giving_up: Signal::never(),

@@ -86,7 +86,6 @@ pub struct IdempotencyLayer {
     scope: Arc<ScopeFn>,
     max_body: usize,
     max_stored_body: usize,
-    heartbeat: Option<Duration>,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -111,22 +110,24 @@ impl IdempotencyLayer {
             scope: Arc::new(scope),
             max_body: DEFAULT_MAX_BODY,
             max_stored_body: MAX_STORED_BODY,
-            heartbeat: None,
         }
     }
 
-    /// Changes how often the lease is renewed while the handler runs: by default a third of the
-    /// store's lease TTL, so that one late renewal still leaves the lease alive. Kept between
-    /// 10 ms and a third of the TTL.
+    /// How often the lease is renewed while the handler runs: the store's
+    /// [`Store::heartbeat`], by default a third of its lease TTL, so that one late renewal still
+    /// leaves the lease alive.
     pub fn heartbeat(&self) -> Duration {
-        let most = self.store.lease_ttl() / 3;
-        self.heartbeat
-            .map_or(most, |every| every.clamp(Duration::from_millis(10), most))
+        self.store.heartbeat()
     }
 
-    /// Renews the lease every `every` while the handler runs (see [`IdempotencyLayer::heartbeat`]).
+    /// Renews the lease every `every` while the handler runs, kept between 10 ms and a third of
+    /// the store's lease TTL (see [`IdempotencyLayer::heartbeat`]).
     pub fn with_heartbeat(mut self, every: Duration) -> Self {
-        self.heartbeat = Some(every);
+        let every = every.clamp(Duration::from_millis(10), self.store.lease_ttl() / 3);
+        // Within the clamp the store accepts it: above zero, below half of the TTL.
+        if let Ok(store) = self.store.clone().with_heartbeat(every) {
+            self.store = store;
+        }
         self
     }
 

@@ -219,21 +219,30 @@ where
 
     // A claim whose answer came late (a lock wait, a pause) may hold a lease that is already
     // over: renew before the handler runs, and stop if it was taken over meanwhile.
-    if layer.store.lease_left(&lease) < layer.heartbeat() {
-        match layer.store.renew(&mut lease).await {
-            Ok(()) => {}
-            Err(idempotency::Error::LeaseLost { .. }) => return Err(lease_lost_response(&lease)),
-            Err(e) => {
-                release(&layer.store, lease).await;
-                return Err(store_failed(e));
-            }
+    match layer.store.confirm_lease(&mut lease).await {
+        Ok(()) => {}
+        Err(idempotency::Error::LeaseLost { .. }) => return Err(lease_lost_response(&lease)),
+        Err(e) => {
+            release(&layer.store, lease).await;
+            return Err(store_failed(e));
         }
     }
     // The handler runs in a task of its own, so that its panic reaches this task as an error
-    // instead of unwinding through it with the lease held.
+    // instead of unwinding through it with the lease held. The lease kit renews the lease while
+    // it runs; if a renewal finds the lease taken over, or cannot vouch for it any more, the
+    // handler's task is aborted and awaited, so that nothing of it still runs when the key is
+    // released or answered by its new holder. Its answer, if any, is not delivered.
     let request = Request::from_parts(scoped.parts, Body::from(scoped.bytes));
-    let handler = tokio::spawn(inner.oneshot(request));
-    let answer = match under_lease(&layer, &mut lease, handler).await {
+    let mut handler = tokio::spawn(inner.oneshot(request));
+    let watched = layer
+        .store
+        .watch_under_lease(&mut lease, &mut handler)
+        .await;
+    if watched.is_err() {
+        handler.abort();
+        let _ = handler.await;
+    }
+    let answer = match watched {
         Ok(Ok(Ok(answer))) => answer,
         Ok(Ok(Err(e))) => {
             release(&layer.store, lease).await;
@@ -243,8 +252,8 @@ where
             release(&layer.store, lease).await;
             return Err(internal_response(&format!("the handler panicked: {e}")));
         }
-        Err(Stopped::LeaseLost) => return Err(lease_lost_response(&lease)),
-        Err(Stopped::RenewalFailed(e)) => {
+        Err(idempotency::Error::LeaseLost { .. }) => return Err(lease_lost_response(&lease)),
+        Err(e) => {
             release(&layer.store, lease).await;
             return Err(store_failed(e));
         }
@@ -285,54 +294,6 @@ where
     finish(&layer.store, &mut lease, &stored).await?;
     // The first delivery is built from what was stored, so replays repeat exactly this.
     Ok(stored_response(&stored))
-}
-
-/// Why a handler was stopped before it answered.
-enum Stopped {
-    /// A renewal found the lease taken over: another request with the key runs the handler now.
-    LeaseLost,
-    /// A renewal failed, so the lease can no longer be vouched for.
-    RenewalFailed(idempotency::Error),
-}
-
-/// Awaits the handler while renewing the lease every heartbeat. A handler slower than the lease
-/// would otherwise be taken over by a retry and run twice at once.
-///
-/// A renewal that finds the lease taken over stops the handler at once. One that fails for
-/// another reason (the database, for a moment) is tried again at the next beat while the lease
-/// surely lasts past it; only when it would not is the handler stopped. Stopping aborts the
-/// handler's task and waits for it to end (at its next await), so that nothing of it still
-/// runs when the caller releases the key.
-async fn under_lease<T>(
-    layer: &IdempotencyLayer,
-    lease: &mut Lease<OneStep>,
-    mut handler: tokio::task::JoinHandle<T>,
-) -> Result<Result<T, tokio::task::JoinError>, Stopped> {
-    let heartbeat = layer.heartbeat();
-    let start = tokio::time::Instant::now() + heartbeat;
-    let mut ticker = tokio::time::interval_at(start, heartbeat);
-    let stopped = loop {
-        tokio::select! {
-            done = &mut handler => return Ok(done),
-            _ = ticker.tick() => match layer.store.renew(lease).await {
-                Ok(()) => {}
-                Err(idempotency::Error::LeaseLost { .. }) => break Stopped::LeaseLost,
-                Err(e) if layer.store.lease_left(lease) > heartbeat => {
-                    tracing::warn!(
-                        key_id = lease.key_id(),
-                        error = %e,
-                        "could not renew the lease; trying again at the next beat"
-                    );
-                }
-                Err(e) => break Stopped::RenewalFailed(e),
-            },
-        }
-    };
-    handler.abort();
-    // Cancelled, or finished just now: either way it runs no more. Its answer, if any, is not
-    // delivered under a lease that may be gone.
-    let _ = handler.await;
-    Err(stopped)
 }
 
 /// The 409 of a request whose lease another request with the key took over: that one answers.

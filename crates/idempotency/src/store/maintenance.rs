@@ -123,6 +123,7 @@ impl Store {
         lease: Lease<P>,
         backoff: Duration,
     ) -> Result<(), Error> {
+        crate::lease::writing(&lease, "release");
         let released = sqlx::query(
             r#"
             UPDATE idempotency_keys

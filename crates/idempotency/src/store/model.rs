@@ -177,18 +177,21 @@ pub struct Store {
     pub(super) pool: PgPool,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) lease_ttl: Duration,
+    pub(crate) heartbeat: Duration,
 }
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Store")
             .field("lease_ttl", &self.lease_ttl)
+            .field("heartbeat", &self.heartbeat)
             .finish_non_exhaustive()
     }
 }
 
 impl Store {
-    /// A store over `pool`, with `clock` for lease arithmetic and leases of `lease_ttl`.
+    /// A store over `pool`, with `clock` for lease arithmetic and leases of `lease_ttl`, renewed
+    /// every third of it under [`Store::call_under_lease`] (see [`Store::with_heartbeat`]).
     pub fn new(pool: PgPool, clock: Arc<dyn Clock>, lease_ttl: Duration) -> Result<Self, Error> {
         if lease_ttl < Duration::from_secs(1) || lease_ttl > Duration::from_secs(3600) {
             return Err(Error::InvalidConfig(format!(
@@ -199,6 +202,7 @@ impl Store {
             pool,
             clock,
             lease_ttl,
+            heartbeat: lease_ttl / 3,
         })
     }
 

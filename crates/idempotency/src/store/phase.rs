@@ -6,6 +6,7 @@ use sqlx::{PgConnection, Postgres, Row, Transaction};
 use time::OffsetDateTime;
 
 use super::model::{Lease, RecoveryPoint, Store};
+use crate::lease::{writing, LEASE_LOG};
 use crate::{Error, StoredResponse};
 
 impl Store {
@@ -24,6 +25,7 @@ impl Store {
                 to: to.name(),
             });
         }
+        writing(lease, "phase");
         let fenced_at = self.lease_clock();
         let (tx, locked_until) = self.fence(lease, to.name()).await?;
         Ok(Phase {
@@ -43,6 +45,7 @@ impl Store {
         &self,
         lease: &'l mut Lease<P>,
     ) -> Result<FinalPhase<'l, P>, Error> {
+        writing(lease, "final_phase");
         let context = || format!("open the final phase of key {}", lease.key_id);
         let mut tx = self.pool.begin().await.map_err(Error::db(context()))?;
         let held: Option<i32> = sqlx::query_scalar(
@@ -134,16 +137,26 @@ impl Store {
                 lease.confirmed_at = asked_at;
                 Ok(())
             }
-            None => Err(Error::LeaseLost {
-                key_id: lease.key_id,
-                token: lease.token,
-            }),
+            None => {
+                tracing::warn!(
+                    target: LEASE_LOG,
+                    key_id = lease.key_id,
+                    token = lease.token,
+                    lost_on_renewal = true,
+                    "lease lost on renewal: nothing more may be written under it"
+                );
+                Err(Error::LeaseLost {
+                    key_id: lease.key_id,
+                    token: lease.token,
+                })
+            }
         }
     }
 
     /// Gives the lease up after a transient failure, keeping the recovery point, so that a retry
     /// or the completer can resume at once instead of waiting for the lease to expire.
     pub async fn release<P: RecoveryPoint>(&self, lease: Lease<P>) -> Result<(), Error> {
+        writing(&lease, "release");
         let released = sqlx::query(
             r#"
             UPDATE idempotency_keys
@@ -174,6 +187,7 @@ impl Store {
     /// Delete only a key that has written nothing: rows referencing it keep it alive (their
     /// foreign keys refuse the delete) and the store's error says so.
     pub async fn abandon<P: RecoveryPoint>(&self, lease: Lease<P>) -> Result<(), Error> {
+        writing(&lease, "abandon");
         let deleted = sqlx::query(
             r#"
             WITH deleted AS (

@@ -1,6 +1,6 @@
 //! What the services' logs say of their leases: every renewal that found its lease taken over,
 //! and every write made after it under the same key and fencing token by the same process. The
-//! services log both on `rocket_rides::booking::LEASE_LOG` (JSON lines, as the run configures
+//! library logs both on `idempotency::LEASE_LOG` (JSON lines, as the run configures
 //! them); a process writes its log in order, so "after" is "further down its file".
 
 use std::collections::HashMap;
@@ -61,7 +61,7 @@ fn scan(log: &str, text: &str) -> Vec<LostLease> {
         let Ok(line) = serde_json::from_str::<Line>(line) else {
             continue;
         };
-        if line.target != rocket_rides::booking::LEASE_LOG {
+        if line.target != idempotency::LEASE_LOG {
             continue;
         }
         let (Some(key_id), Some(token)) = (line.fields.key_id, line.fields.token) else {
@@ -103,7 +103,7 @@ mod tests {
         serde_json::json!({
             "timestamp": "2026-11-30T17:00:00Z",
             "level": "DEBUG",
-            "target": rocket_rides::booking::LEASE_LOG,
+            "target": idempotency::LEASE_LOG,
             "fields": fields,
         })
         .to_string()

@@ -541,7 +541,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
         // Warnings, and the lease's life in a booking, which the audit reads.
         (
             "RUST_LOG".to_owned(),
-            format!("warn,{}=debug", rocket_rides::booking::LEASE_LOG),
+            format!("warn,{}=debug", idempotency::LEASE_LOG),
         ),
         ("LOG_FORMAT".to_owned(), "json".to_owned()),
         ("NO_COLOR".to_owned(), "1".to_owned()),

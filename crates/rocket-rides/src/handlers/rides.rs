@@ -202,7 +202,6 @@ async fn book(
         Err(BookingError::GivenUp) => ApiError::ShuttingDown,
         Err(BookingError::Internal(why)) => ApiError::Internal(why),
     };
-    booking::writing(&lease, "release");
     if let Err(release) = state.store.release(lease).await {
         tracing::warn!(key_id, error = %release, "could not release lease");
     }

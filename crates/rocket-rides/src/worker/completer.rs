@@ -152,7 +152,6 @@ async fn complete(state: &AppState, settings: &WorkerArgs, mut lease: Lease<Ride
         retry_in = ?wait,
         "completer attempt failed"
     );
-    crate::booking::writing(&lease, "release");
     match state.store.release_with_backoff(lease, wait).await {
         Ok(()) => Outcome::Retried,
         Err(e) => {
