@@ -1,7 +1,8 @@
 //! The HTTP face of the `idempotency` crate for axum services.
 //!
 //! - [`IdempotencyLayer`] makes a one-step handler idempotent: it claims the key, calls the
-//!   handler once, stores its final answer and replays it (see [`layer`] for what it cannot
+//!   handler once, stores its final answer and replays it; the answer's [`Disposition`] says
+//!   whether it is final, or releases the key, or forgets it (see [`layer`] for what it cannot
 //!   guarantee, and when to write phases instead).
 //! - [`RequiredKey`] extracts and validates `Idempotency-Key` (400 problem+json when missing or
 //!   malformed, before the handler writes anything).
@@ -22,7 +23,7 @@ pub mod problem;
 mod replay;
 
 pub use extract::{RequiredKey, IDEMPOTENCY_KEY, KEY_MISSING_DETAIL, ONE_KEY_DETAIL};
-pub use layer::IdempotencyLayer;
+pub use layer::{Disposition, IdempotencyLayer};
 pub use problem::{retry_after_seconds, Problem, PROBLEM_JSON};
 pub use replay::{
     acquired_or_respond, replayed_response, stored_response, IDEMPOTENT_REPLAYED,

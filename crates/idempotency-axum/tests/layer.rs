@@ -13,7 +13,7 @@ use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use idempotency::{DatabaseClock, Store};
 use idempotency_axum::problem::types;
-use idempotency_axum::IdempotencyLayer;
+use idempotency_axum::{Disposition, IdempotencyLayer};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use tower::ServiceExt;
@@ -41,6 +41,14 @@ async fn create_order(State(orders): State<Orders>, Json(body): Json<Value>) -> 
 }
 
 async fn app(pool: PgPool) -> (Router, Orders) {
+    app_with(pool, |layer| layer).await
+}
+
+/// The orders app, with its layer changed by `configure`.
+async fn app_with(
+    pool: PgPool,
+    configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+) -> (Router, Orders) {
     idempotency::migrate(&pool).await.unwrap();
     let store = Store::new(pool, Arc::new(DatabaseClock), Duration::from_secs(30)).unwrap();
     let orders = Orders::default();
@@ -53,6 +61,7 @@ async fn app(pool: PgPool) -> (Router, Orders) {
             .ok_or(StatusCode::UNAUTHORIZED)
     })
     .max_body(1024);
+    let layer = configure(layer);
     let router = Router::new()
         .route("/orders", post(create_order))
         .route_layer(layer)
@@ -669,4 +678,160 @@ async fn a_raw_body_stored_under_the_old_fingerprint_still_replays(pool: PgPool)
     assert_eq!((status, replayed), (StatusCode::CREATED, true));
     assert_eq!(body, b"call 0");
     assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+/// Runs a handler that refuses an order without an item with `refusal` (its own validation) and
+/// creates the others, and checks that the refusal forgets the key.
+async fn a_validation_refusal_forgets_the_key(pool: PgPool, refusal: StatusCode) {
+    idempotency::migrate(&pool).await.unwrap();
+    let (refused, created) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (r, c) = (refused.clone(), created.clone());
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move |Json(body): Json<Value>| {
+                let (refused, created) = (r.clone(), c.clone());
+                async move {
+                    if body["item"].as_str().is_none_or(str::is_empty) {
+                        refused.fetch_add(1, Ordering::SeqCst);
+                        return (refusal, "an order needs an item").into_response();
+                    }
+                    let n = created.fetch_add(1, Ordering::SeqCst) + 1;
+                    (StatusCode::CREATED, format!("order {n}")).into_response()
+                }
+            }),
+        )
+        .route_layer(layer_for(&pool));
+    let bad = || Body::from(r#"{"item": ""}"#);
+    let good = || Body::from(r#"{"item": "tea"}"#);
+    for attempt in 1..=2 {
+        let (status, replayed, _) = read(post_with(&app, "/orders", "k1", bad()).await).await;
+        assert_eq!((status, replayed), (refusal, false), "attempt {attempt}");
+        assert_eq!(keys(&pool).await, 0, "the refusal left no key behind");
+    }
+    assert_eq!(
+        refused.load(Ordering::SeqCst),
+        2,
+        "not replayed: the handler refused each time"
+    );
+    // The corrected payload under the same key runs, and its answer is the key's.
+    let (status, replayed, body) = read(post_with(&app, "/orders", "k1", good()).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    let (status, replayed, again) = read(post_with(&app, "/orders", "k1", good()).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true));
+    assert_eq!(again, body);
+    assert_eq!(created.load(Ordering::SeqCst), 1);
+    // The key now holds the corrected payload: the bad one is refused as a reuse.
+    let (status, _, _) = read(post_with(&app, "/orders", "k1", bad()).await).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(refused.load(Ordering::SeqCst), 2);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_handler_400_forgets_the_key_and_a_corrected_body_then_runs_and_is_stored(pool: PgPool) {
+    a_validation_refusal_forgets_the_key(pool, StatusCode::BAD_REQUEST).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_handler_422_forgets_the_key_and_a_corrected_body_then_runs_and_is_stored(pool: PgPool) {
+    a_validation_refusal_forgets_the_key(pool, StatusCode::UNPROCESSABLE_ENTITY).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_predicate_that_stores_a_503_replays_it(pool: PgPool) {
+    let (app, orders) = app_with(pool, |layer| {
+        layer.with_disposition(|answer| match answer.status {
+            StatusCode::SERVICE_UNAVAILABLE => Disposition::Store,
+            status => Disposition::for_status(status),
+        })
+    })
+    .await;
+    orders.failing.store(true, Ordering::SeqCst);
+    let (status, headers, _) = send(&app, Some("k1"), Some("1"), r#"{"item": "tea"}"#).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(headers.get("idempotent-replayed").is_none());
+    // The handler would now create the order, but the key's answer is the stored 503.
+    orders.failing.store(false, Ordering::SeqCst);
+    let (status, headers, _) = send(&app, Some("k1"), Some("1"), r#"{"item": "tea"}"#).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(orders.calls.load(Ordering::SeqCst), 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_handler_409_releases_the_key_and_the_retry_runs_the_handler_again(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                // The first call meets a conflict of the application's own; the next succeeds.
+                let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+                let status = if n == 1 {
+                    StatusCode::CONFLICT
+                } else {
+                    StatusCode::CREATED
+                };
+                std::future::ready((status, format!("call {n}")).into_response())
+            }),
+        )
+        .route_layer(layer_for(&pool));
+    let (status, replayed, _) =
+        read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
+    assert_eq!((status, replayed), (StatusCode::CONFLICT, false));
+    let released: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL AND locked_until IS NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(released, 1, "the key kept its row, released");
+    let (status, replayed, body) =
+        read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    assert_eq!(body, b"call 2");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_refusal_whose_key_is_referenced_keeps_it_locked_until_its_lease_ends(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE audit (key_id BIGINT NOT NULL REFERENCES idempotency_keys (id))")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (c, db) = (calls.clone(), pool.clone());
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let (calls, db) = (c.clone(), db.clone());
+                async move {
+                    // A handler that writes under its key and then refuses: against Forget's
+                    // contract, so the delete of its key is refused.
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    sqlx::query("INSERT INTO audit SELECT id FROM idempotency_keys")
+                        .execute(&db)
+                        .await
+                        .unwrap();
+                    StatusCode::BAD_REQUEST.into_response()
+                }
+            }),
+        )
+        .route_layer(layer_for(&pool));
+    let (status, _, _) = read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "the answer is delivered");
+    assert_eq!(keys(&pool).await, 1, "the referenced key was not deleted");
+    assert!(
+        locked_until(&pool).await.is_some(),
+        "the failed delete took the lease: the key waits for it to end"
+    );
+    let (status, _, body) = read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let problem: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["type"], types::KEY_IN_FLIGHT);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }

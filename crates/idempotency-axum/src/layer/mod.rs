@@ -1,16 +1,31 @@
 //! A tower layer that makes a one-step handler idempotent.
 //!
 //! ```text
-//!  request ─► key? ─► scope ─► body (bounded) ─► claim ──acquired──► handler ──final──► store + answer
-//!                                                  │       (its own task)  ├─ 5xx/409/429 ─► release, answer
-//!                                                  │                       ├─ panic ───────► release, 500
-//!                                                  │                       └─ too large ───► release, answer
+//!  request ─► key? ─► scope ─► body (bounded) ─► claim ──acquired──► handler (its own task)
+//!                                                  │                   ├─ Store ─────► store, answer
+//!                                                  │                   ├─ Release ───► release, answer
+//!                                                  │                   ├─ Forget ────► delete key, answer
+//!                                                  │                   ├─ panic ─────► release, 500
+//!                                                  │                   └─ too large ─► release, answer
 //!                                                  └─ replay / 422 / 409 ─► answer without calling the handler
 //! ```
 //!
-//! The layer claims the key, calls the handler once, and stores its answer when the answer is
-//! final (2xx and 4xx other than 408, 409, 425 and 429). Later requests with the key get the
-//! stored answer byte for byte, with `Idempotent-Replayed: true`.
+//! The layer claims the key, calls the handler once, and lets the answer's [`Disposition`] decide
+//! what becomes of the key. By default ([`Disposition::for_status`]):
+//!
+//! - **a final answer is stored** (2xx, 3xx, and 4xx other than 400, 408, 409, 422, 425 and
+//!   429): later requests with the key get it byte for byte, with `Idempotent-Replayed: true`;
+//! - **an answer that invites a retry is not** (5xx, 408, 409, 425, 429): the key's lease is
+//!   released, and a retry with the key and its payload runs the handler again;
+//! - **a validation refusal forgets the key** (400, 422), as Stripe keeps nothing of a request
+//!   that failed validation: the key's row is deleted, and a corrected payload may use the key.
+//!   The delete is fenced by the lease, and refused while rows of the application reference
+//!   the key; a key that cannot be deleted is not released either (the failed delete took its
+//!   lease), so it waits for its lease to expire, and a retry with its payload then runs the
+//!   handler again. The failure is logged.
+//!
+//! [`IdempotencyLayer::with_disposition`] decides otherwise, from the answer's status, headers
+//! or extensions.
 //!
 //! - **Scope and fingerprint** take the method, the concrete path and the query (not the route
 //!   template): `POST /accounts/A/transfers` and `POST /accounts/B/transfers` are two requests
@@ -43,15 +58,17 @@
 //! as Rocket Rides does), where every step commits with its recovery point.
 
 mod body;
+mod disposition;
 mod service;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use http::StatusCode;
+use http::{response, StatusCode};
 use idempotency::Store;
 
+pub use disposition::Disposition;
 pub use service::Idempotent;
 
 /// The default largest request body the layer buffers to fingerprint it.
@@ -79,11 +96,15 @@ pub const LEASE_LOST_DETAIL: &str =
 /// (typically 401), answered as an `about:blank` problem.
 pub type ScopeFn = dyn Fn(&Parts) -> Result<i64, StatusCode> + Send + Sync;
 
+/// What becomes of the key, from the handler's answer (see [`Disposition`]).
+pub type DispositionFn = dyn Fn(&response::Parts) -> Disposition + Send + Sync;
+
 /// Wraps a service so that every request through it needs an `Idempotency-Key`.
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     store: Store,
     scope: Arc<ScopeFn>,
+    disposition: Arc<DispositionFn>,
     max_body: usize,
     max_stored_body: usize,
 }
@@ -108,6 +129,9 @@ impl IdempotencyLayer {
         Self {
             store,
             scope: Arc::new(scope),
+            disposition: Arc::new(|answer: &response::Parts| {
+                Disposition::for_status(answer.status)
+            }),
             max_body: DEFAULT_MAX_BODY,
             max_stored_body: MAX_STORED_BODY,
         }
@@ -128,6 +152,34 @@ impl IdempotencyLayer {
         if let Ok(store) = self.store.clone().with_heartbeat(every) {
             self.store = store;
         }
+        self
+    }
+
+    /// Decides what becomes of the key from the handler's answer (its status, headers and
+    /// extensions), instead of [`Disposition::for_status`].
+    ///
+    /// A handler can decide for itself by putting a [`Disposition`] in its answer's extensions,
+    /// with a predicate that looks there first:
+    ///
+    /// ```
+    /// use idempotency_axum::layer::Disposition;
+    /// use idempotency_axum::IdempotencyLayer;
+    ///
+    /// fn layer(store: idempotency::Store) -> IdempotencyLayer {
+    ///     IdempotencyLayer::new(store, |_| Ok(1)).with_disposition(|answer| {
+    ///         answer
+    ///             .extensions
+    ///             .get::<Disposition>()
+    ///             .copied()
+    ///             .unwrap_or_else(|| Disposition::for_status(answer.status))
+    ///     })
+    /// }
+    /// ```
+    pub fn with_disposition(
+        mut self,
+        disposition: impl Fn(&response::Parts) -> Disposition + Send + Sync + 'static,
+    ) -> Self {
+        self.disposition = Arc::new(disposition);
         self
     }
 

@@ -20,7 +20,8 @@ use tower::ServiceExt;
 
 use super::body::Resumed;
 use super::{
-    IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL, STORED_HEADERS,
+    Disposition, IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL,
+    STORED_HEADERS,
 };
 use crate::extract::key_from_headers;
 use crate::problem::{types, Problem};
@@ -258,11 +259,27 @@ where
             return Err(store_failed(e));
         }
     };
-    if !is_final(answer.status()) {
-        release(&layer.store, lease).await;
-        return Ok(answer);
-    }
+    settle(&layer, lease, answer).await
+}
+
+/// Does with the key what the answer's disposition says, and gives the answer to deliver.
+async fn settle(
+    layer: &IdempotencyLayer,
+    mut lease: Lease<OneStep>,
+    answer: Response,
+) -> Result<Response, Response> {
     let (answer_parts, answer_body) = answer.into_parts();
+    match (layer.disposition)(&answer_parts) {
+        Disposition::Store => {}
+        Disposition::Release => {
+            release(&layer.store, lease).await;
+            return Ok(Response::from_parts(answer_parts, answer_body));
+        }
+        Disposition::Forget => {
+            forget(&layer.store, lease).await;
+            return Ok(Response::from_parts(answer_parts, answer_body));
+        }
+    }
     let collected = match collect_up_to(answer_body, layer.max_stored_body).await {
         Collected::Whole(bytes) => bytes,
         Collected::TooLarge(resumed) => {
@@ -355,15 +372,32 @@ async fn collect_up_to(mut body: Body, limit: usize) -> Collected {
     Collected::Whole(Bytes::from(whole))
 }
 
-/// Final answers are stored; 5xx and the statuses that invite a retry (408, 409, 425, 429) are not.
-fn is_final(status: StatusCode) -> bool {
-    !(status.is_server_error() || matches!(status.as_u16(), 408 | 409 | 425 | 429))
-}
-
 async fn release(store: &Store, lease: Lease<OneStep>) {
     let key_id = lease.key_id();
     if let Err(e) = store.release(lease).await {
         tracing::warn!(key_id, error = %e, "could not release the idempotency lease");
+    }
+}
+
+/// Deletes the key of an answer that leaves nothing to keep, so that the key may be used again
+/// with another payload.
+async fn forget(store: &Store, lease: Lease<OneStep>) {
+    let key_id = lease.key_id();
+    match store.abandon(lease).await {
+        Ok(()) => {}
+        // Another request took the key over: it is that request's to settle.
+        Err(e @ idempotency::Error::LeaseLost { .. }) => {
+            tracing::warn!(key_id, error = %e, "could not forget the idempotency key");
+        }
+        // Rows of the application reference the key, or the database failed. The store took
+        // the lease with the failed delete, so the key cannot be released either: it stays
+        // locked until its lease expires, and a retry with its payload then runs the handler
+        // again.
+        Err(e) => tracing::error!(
+            key_id,
+            error = %e,
+            "could not forget the idempotency key; it stays locked until its lease expires"
+        ),
     }
 }
 
