@@ -42,6 +42,7 @@ mod fingerprint;
 mod key;
 pub mod lease;
 mod response;
+pub mod runner;
 mod store;
 
 pub use canonical::canonicalize;
@@ -51,6 +52,7 @@ pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
 pub use lease::LEASE_LOG;
 pub use response::StoredResponse;
+pub use runner::{Completer, Pass, Reaper, Resumed};
 pub use store::{
     Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease, NewRequest, OneStep, Phase,
     RecoveryPoint, Store, DEFAULT_LEASE_TTL,

@@ -133,9 +133,18 @@ pub enum CompleterOutcome {
     Lost,
     /// Its recovery point is unknown to this build.
     Undecodable,
+    /// Its attempt panicked; the lease expires and the key is tried again.
+    Panicked,
 }
 
-const COMPLETER_OUTCOMES: [&str; 5] = ["claimed", "finished", "retried", "lost", "undecodable"];
+const COMPLETER_OUTCOMES: [&str; 6] = [
+    "claimed",
+    "finished",
+    "retried",
+    "lost",
+    "undecodable",
+    "panicked",
+];
 
 /// A call to the gateway, for `gateway_call_duration_seconds`.
 #[derive(Debug, Clone, Copy)]
@@ -470,7 +479,7 @@ impl Metrics {
     }
 
     /// Counts one completer pass: how many keys had each outcome.
-    pub fn completer_pass(&self, counts: [(CompleterOutcome, usize); 5]) {
+    pub fn completer_pass(&self, counts: [(CompleterOutcome, usize); 6]) {
         for (outcome, n) in counts {
             let outcome = COMPLETER_OUTCOMES[outcome as usize];
             self.0

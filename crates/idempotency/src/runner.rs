@@ -1,0 +1,396 @@
+//! The background runners: the [`Completer`], which finishes what requests left behind, and the
+//! [`Reaper`], which deletes finished keys past their retention.
+//!
+//! Both run a pass at a time ([`Completer::run_once`], [`Reaper::run_once`]) for tests and for a
+//! scheduler of the application's own, or a loop until a stop signal ([`Completer::run_until`],
+//! [`Reaper::run_until`]) in a worker process. Any number of worker processes may run them at
+//! once: the completer claims with `FOR UPDATE SKIP LOCKED`, and two completers never take the
+//! same key.
+//!
+//! # The completer
+//!
+//! A key whose client gave up, or whose process died, stays unfinished at its last recovery
+//! point. The completer claims such keys of one route (unfinished, lease free or over, untouched
+//! for longer than a grace period that protects a client still retrying), each with a fresh fencing
+//! token as a request's claim would, and hands each lease to the application's closure, which
+//! resumes the request from [`Lease::recovery_point`] with the stored [`Lease::params`] — the same
+//! phase machine the request runs. The closure says how it went ([`Resumed`]); a failed attempt is
+//! released with an exponential backoff ([`backoff`]) and tried again later, for as long as it
+//! takes: the completer never drops a key and never invents an outcome for it.
+//!
+//! ```no_run
+//! use idempotency::{Completer, OneStep, Resumed, Store};
+//!
+//! # async fn example(store: Store) -> Result<(), idempotency::Error> {
+//! let completer = Completer::new(store.clone(), "POST", "/transfers");
+//! let pass = completer
+//!     .run_once(move |mut lease: idempotency::Lease<OneStep>| {
+//!         let store = store.clone();
+//!         async move {
+//!             // Resume from lease.recovery_point() with lease.params(), as the request would.
+//!             match store.final_phase(&mut lease).await {
+//!                 Ok(phase) => match phase.finish(&todo_response()).await {
+//!                     Ok(()) => Resumed::Finished,
+//!                     Err(idempotency::Error::LeaseLost { .. }) => Resumed::Lost,
+//!                     Err(e) => Resumed::failed(lease, e),
+//!                 },
+//!                 Err(idempotency::Error::LeaseLost { .. }) => Resumed::Lost,
+//!                 Err(e) => Resumed::failed(lease, e),
+//!             }
+//!         }
+//!     })
+//!     .await?;
+//! println!("finished {} abandoned keys", pass.finished);
+//! # Ok(()) }
+//! # fn todo_response() -> idempotency::StoredResponse { unimplemented!() }
+//! ```
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tracing::Instrument;
+
+use crate::store::{Lease, RecoveryPoint, Store};
+use crate::Error;
+
+/// What the application's closure made of an abandoned key the completer handed it.
+#[derive(Debug)]
+pub enum Resumed<P> {
+    /// The key reached its final state: its final phase committed (or a phase found it finished).
+    Finished,
+    /// The attempt failed for a reason that may pass (a foreign system away, the database for a
+    /// moment). The completer releases the lease and keeps completers away from the key for its
+    /// [`backoff`], and at least `not_before` (a time the application knows nothing can be decided
+    /// before).
+    Failed {
+        /// The lease, to release.
+        lease: Lease<P>,
+        /// What went wrong, for the log.
+        error: String,
+        /// The least time before the next attempt.
+        not_before: Duration,
+    },
+    /// Another holder took the key over ([`Error::LeaseLost`]): it finishes the key, and nothing is
+    /// released.
+    Lost,
+}
+
+impl<P> Resumed<P> {
+    /// A failed attempt, retried after the completer's backoff.
+    pub fn failed(lease: Lease<P>, error: impl std::fmt::Display) -> Self {
+        Self::Failed {
+            lease,
+            error: error.to_string(),
+            not_before: Duration::ZERO,
+        }
+    }
+}
+
+/// What one completer pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Pass {
+    /// Keys claimed.
+    pub claimed: usize,
+    /// Keys driven to a final state.
+    pub finished: usize,
+    /// Keys released with a backoff after a failed attempt.
+    pub retried: usize,
+    /// Keys whose lease another holder took during the attempt.
+    pub lost: usize,
+    /// Keys claimed whose recovery point the application does not know; their leases expire.
+    pub undecodable: usize,
+    /// Attempts that panicked; their leases expire, and the keys are tried again after.
+    pub panicked: usize,
+}
+
+/// The backoff after a completer's `completer_attempts`-th attempt at a key failed: `base`,
+/// doubled with every further completer attempt, capped at `max`. A client's own retries do not
+/// count: they are not the completer's failures.
+pub fn backoff(completer_attempts: i32, base: Duration, max: Duration) -> Duration {
+    let doublings = completer_attempts.saturating_sub(1).clamp(0, 30) as u32;
+    base.saturating_mul(1 << doublings).min(max)
+}
+
+/// Finishes the abandoned keys of one route with the application's closure. See the
+/// [module](crate::runner).
+#[derive(Debug, Clone)]
+pub struct Completer {
+    store: Store,
+    method: String,
+    route: String,
+    grace: Duration,
+    batch: usize,
+    concurrency: usize,
+    backoff: Duration,
+    backoff_max: Duration,
+}
+
+impl Completer {
+    /// A completer of the keys of `method` and `route` (as the requests' claims name them), with
+    /// a grace of one minute, batches of 50 keys, 4 at once, and a backoff from 5 s to 10 min.
+    pub fn new(store: Store, method: &str, route: &str) -> Self {
+        Self {
+            store,
+            method: method.to_owned(),
+            route: route.to_owned(),
+            grace: Duration::from_secs(60),
+            batch: 50,
+            concurrency: 4,
+            backoff: Duration::from_secs(5),
+            backoff_max: Duration::from_secs(600),
+        }
+    }
+
+    /// How long a key must have been left alone (since its last attempt) before the completer
+    /// takes it, so that a client still retrying its own key is not raced. Keep it above the
+    /// lease TTL.
+    pub fn grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    /// The most keys one pass claims (at least one).
+    pub fn batch(mut self, keys: usize) -> Self {
+        self.batch = keys.max(1);
+        self
+    }
+
+    /// How many keys are worked at once (at least one). Keys are claimed this many at a time, so
+    /// that no claimed key waits with a live lease that nobody works.
+    pub fn concurrency(mut self, keys: usize) -> Self {
+        self.concurrency = keys.max(1);
+        self
+    }
+
+    /// The backoff after a key's first failed completer attempt, doubled after each further one
+    /// up to `max` (see [`backoff`]).
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.backoff = base;
+        self.backoff_max = max.max(base);
+        self
+    }
+
+    /// One pass: claims abandoned keys a few at a time and runs `resume` on each, until a round
+    /// comes back short or the batch is done. Fails only when a claim fails; each key's own
+    /// failure is handled (released with a backoff) and counted.
+    pub async fn run_once<P, F, Fut>(&self, resume: F) -> Result<Pass, Error>
+    where
+        P: RecoveryPoint,
+        F: Fn(Lease<P>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Resumed<P>> + Send + 'static,
+    {
+        self.pass(&Arc::new(resume)).await
+    }
+
+    /// Runs a pass every `every` until `stop` completes; a pass that fails (the database away) is
+    /// logged and tried again at the next tick. A pass under way when `stop` completes runs to
+    /// its end: stop the closure's work with a signal of its own to stop sooner.
+    pub async fn run_until<P, F, Fut>(
+        &self,
+        every: Duration,
+        stop: impl Future<Output = ()>,
+        resume: F,
+    ) where
+        P: RecoveryPoint,
+        F: Fn(Lease<P>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Resumed<P>> + Send + 'static,
+    {
+        let resume = Arc::new(resume);
+        repeat(every, stop, || self.pass(&resume), "completer").await;
+    }
+
+    async fn pass<P, F, Fut>(&self, resume: &Arc<F>) -> Result<Pass, Error>
+    where
+        P: RecoveryPoint,
+        F: Fn(Lease<P>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Resumed<P>> + Send + 'static,
+    {
+        let mut pass = Pass::default();
+        while pass.claimed < self.batch {
+            let want = self.concurrency.min(self.batch - pass.claimed);
+            let claimed = self
+                .store
+                .claim_abandoned::<P>(&self.method, &self.route, self.grace, want as i64)
+                .await?;
+            let got = claimed.len();
+            pass.claimed += got;
+            let mut tasks = JoinSet::new();
+            for lease in claimed {
+                match lease {
+                    Ok(lease) => {
+                        let (resume, completer) = (resume.clone(), self.clone());
+                        tasks.spawn(async move { completer.attempt(lease, &*resume).await });
+                    }
+                    Err(e) => {
+                        // Code and data disagree: say so loudly; the lease expires on its own.
+                        tracing::error!(error = %e, "the completer cannot resume a key");
+                        pass.undecodable += 1;
+                    }
+                }
+            }
+            while let Some(outcome) = tasks.join_next().await {
+                match outcome {
+                    Ok(Attempt::Finished) => pass.finished += 1,
+                    Ok(Attempt::Retried) => pass.retried += 1,
+                    Ok(Attempt::Lost) => pass.lost += 1,
+                    Err(e) => {
+                        tracing::error!(error = %e, "a completer attempt panicked");
+                        pass.panicked += 1;
+                    }
+                }
+            }
+            if got < want {
+                break;
+            }
+        }
+        if pass.claimed > 0 {
+            tracing::info!(
+                method = %self.method,
+                route = %self.route,
+                claimed = pass.claimed,
+                finished = pass.finished,
+                retried = pass.retried,
+                lost = pass.lost,
+                "completer pass"
+            );
+        }
+        Ok(pass)
+    }
+
+    async fn attempt<P, F, Fut>(&self, lease: Lease<P>, resume: &F) -> Attempt
+    where
+        P: RecoveryPoint,
+        F: Fn(Lease<P>) -> Fut,
+        Fut: Future<Output = Resumed<P>>,
+    {
+        let (key_id, attempts) = (lease.key_id(), lease.completer_attempts());
+        let span = tracing::info_span!(
+            "idempotency.complete",
+            key_id,
+            token = lease.token(),
+            recovery_point = lease.recovery_point().name()
+        );
+        let resumed = resume(lease).instrument(span).await;
+        let (lease, error, not_before) = match resumed {
+            Resumed::Finished => {
+                tracing::info!(key_id, "the completer finished a key");
+                return Attempt::Finished;
+            }
+            Resumed::Lost => {
+                tracing::info!(key_id, "another holder took the key over");
+                return Attempt::Lost;
+            }
+            Resumed::Failed {
+                lease,
+                error,
+                not_before,
+            } => (lease, error, not_before),
+        };
+        let wait = backoff(attempts, self.backoff, self.backoff_max).max(not_before);
+        // Loud: a key that keeps failing shows here, attempt after attempt.
+        tracing::warn!(
+            key_id,
+            completer_attempts = attempts,
+            error = %error,
+            retry_in = ?wait,
+            "completer attempt failed"
+        );
+        if let Err(e) = self.store.release_with_backoff(lease, wait).await {
+            tracing::warn!(key_id, error = %e, "could not release the key; its lease expires instead");
+        }
+        Attempt::Retried
+    }
+}
+
+enum Attempt {
+    Finished,
+    Retried,
+    Lost,
+}
+
+/// Deletes finished keys past their retention, in batches. See the [module](crate::runner).
+#[derive(Debug, Clone)]
+pub struct Reaper {
+    store: Store,
+    retention: Duration,
+    batch: i64,
+}
+
+impl Reaper {
+    /// A reaper of the keys that finished more than `retention` ago, 500 per statement. Keep the
+    /// retention longer than any client retries: after a key is reaped, the same key string
+    /// starts a new request.
+    pub fn new(store: Store, retention: Duration) -> Self {
+        Self {
+            store,
+            retention,
+            batch: 500,
+        }
+    }
+
+    /// The most keys one statement deletes (at least one): short statements hold few locks.
+    pub fn batch(mut self, keys: i64) -> Self {
+        self.batch = keys.max(1);
+        self
+    }
+
+    /// Deletes batches until one comes back short; returns how many keys were deleted.
+    pub async fn run_once(&self) -> Result<u64, Error> {
+        let mut total = 0;
+        loop {
+            let deleted = self.store.reap_finished(self.retention, self.batch).await?;
+            total += deleted;
+            if deleted < self.batch as u64 {
+                if total > 0 {
+                    tracing::info!(deleted = total, "reaper pass");
+                }
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Runs a pass every `every` until `stop` completes; a failing pass is logged and tried again
+    /// at the next tick.
+    pub async fn run_until(&self, every: Duration, stop: impl Future<Output = ()>) {
+        repeat(every, stop, || self.run_once(), "reaper").await;
+    }
+}
+
+/// Calls `pass` every `every` until `stop` completes.
+async fn repeat<T, Fut>(
+    every: Duration,
+    stop: impl Future<Output = ()>,
+    mut pass: impl FnMut() -> Fut,
+    runner: &'static str,
+) where
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let mut stop = pin!(stop);
+    loop {
+        if let Err(e) = pass().await {
+            tracing::error!(runner, error = %e, "pass failed; trying again at the next tick");
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            () = &mut stop => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_with_the_completers_attempts_and_is_capped() {
+        let (base, max) = (Duration::from_secs(5), Duration::from_secs(60));
+        assert_eq!(backoff(1, base, max), Duration::from_secs(5));
+        assert_eq!(backoff(2, base, max), Duration::from_secs(10));
+        assert_eq!(backoff(3, base, max), Duration::from_secs(20));
+        assert_eq!(backoff(5, base, max), Duration::from_secs(60));
+        assert_eq!(backoff(i32::MAX, base, max), Duration::from_secs(60));
+    }
+}
