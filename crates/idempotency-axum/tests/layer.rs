@@ -835,3 +835,65 @@ async fn a_refusal_whose_key_is_referenced_keeps_it_locked_until_its_lease_ends(
     assert_eq!(problem["type"], types::KEY_IN_FLIGHT);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// A handler that answers 201 with a transfer id, a location and a header of its own.
+async fn create_transfer() -> Response {
+    (
+        StatusCode::CREATED,
+        [
+            ("x-transfer-id", "tr_1"),
+            ("location", "/transfers/tr_1"),
+            ("x-trace", "first-delivery"),
+        ],
+        "created",
+    )
+        .into_response()
+}
+
+#[sqlx::test(migrations = false)]
+async fn configured_headers_are_stored_and_replayed_and_the_others_are_not(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let layer = layer_for(&pool)
+        .store_headers(["Content-Type", "X-Transfer-Id"])
+        .unwrap();
+    let app = Router::new()
+        .route("/transfers", post(create_transfer))
+        .route_layer(layer);
+    for replayed in [false, true] {
+        let answer = post_with(&app, "/transfers", "k1", Body::from("{}")).await;
+        let headers = answer.headers();
+        assert_eq!(
+            headers.get("idempotent-replayed").is_some(),
+            replayed,
+            "{headers:?}"
+        );
+        assert_eq!(headers["x-transfer-id"], "tr_1", "replayed: {replayed}");
+        assert_eq!(headers["content-type"], "text/plain; charset=utf-8");
+        assert!(
+            headers.get("x-trace").is_none(),
+            "not named: not stored, on any delivery"
+        );
+        assert!(
+            headers.get("location").is_none(),
+            "the list replaces the default"
+        );
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn header_names_and_per_delivery_headers_are_refused_as_stored_headers(pool: PgPool) {
+    use idempotency_axum::layer::StoredHeaderError;
+    assert!(layer_for(&pool)
+        .store_headers([http::header::LOCATION, http::header::ETAG])
+        .is_ok());
+    assert!(matches!(
+        layer_for(&pool).store_headers(["x transfer id"]),
+        Err(StoredHeaderError::InvalidName(name)) if name == "x transfer id"
+    ));
+    for name in ["Set-Cookie", "date"] {
+        assert!(matches!(
+            layer_for(&pool).store_headers([name]),
+            Err(StoredHeaderError::Unstorable(_))
+        ));
+    }
+}

@@ -31,6 +31,10 @@
 //!   template): `POST /accounts/A/transfers` and `POST /accounts/B/transfers` are two requests
 //!   even with one key and one body. A path and query longer than 255 characters enter the
 //!   scope as their SHA-256.
+//! - **Only the outcome's headers are stored** with the answer: `Content-Type` and `Location` by
+//!   default, others named with [`IdempotencyLayer::store_headers`], never those of one delivery
+//!   (`Date`, `Set-Cookie`: [`UNSTORABLE_HEADERS`]). The first delivery is built from what was
+//!   stored, so it carries exactly the headers every replay will.
 //! - **The claimed work runs detached** from the connection, in a task of its own: a client that
 //!   hangs up does not cancel it, so the key is never left locked by a dropped future, and the
 //!   client's retry finds the answer. The handler itself runs in a task inside it, so that a
@@ -59,16 +63,18 @@
 
 mod body;
 mod disposition;
+mod headers;
 mod service;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use http::{response, StatusCode};
+use http::{response, HeaderName, StatusCode};
 use idempotency::Store;
 
 pub use disposition::Disposition;
+pub use headers::{StoredHeaderError, DEFAULT_STORED_HEADERS, UNSTORABLE_HEADERS};
 pub use service::Idempotent;
 
 /// The default largest request body the layer buffers to fingerprint it.
@@ -77,10 +83,6 @@ pub const DEFAULT_MAX_BODY: usize = 64 * 1024;
 /// The largest response body the layer can store (the key table's bound); larger answers are
 /// passed through and not stored.
 pub const MAX_STORED_BODY: usize = 1024 * 1024;
-
-/// The only headers of a handler's answer that are stored and replayed: those that describe the
-/// outcome. Per-delivery headers (`Date`, request ids) are not.
-pub const STORED_HEADERS: [&str; 2] = ["content-type", "location"];
 
 /// Detail of the 413.
 pub const BODY_TOO_LARGE_DETAIL: &str = "the request body is larger than this endpoint accepts";
@@ -107,6 +109,7 @@ pub struct IdempotencyLayer {
     disposition: Arc<DispositionFn>,
     max_body: usize,
     max_stored_body: usize,
+    stored_headers: Arc<[HeaderName]>,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -115,6 +118,7 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("max_body", &self.max_body)
             .field("max_stored_body", &self.max_stored_body)
             .field("heartbeat", &self.heartbeat())
+            .field("stored_headers", &self.stored_headers)
             .finish_non_exhaustive()
     }
 }
@@ -134,6 +138,7 @@ impl IdempotencyLayer {
             }),
             max_body: DEFAULT_MAX_BODY,
             max_stored_body: MAX_STORED_BODY,
+            stored_headers: DEFAULT_STORED_HEADERS.map(HeaderName::from_static).into(),
         }
     }
 
@@ -194,6 +199,34 @@ impl IdempotencyLayer {
     pub fn max_stored_body(mut self, bytes: usize) -> Self {
         self.max_stored_body = bytes.min(MAX_STORED_BODY);
         self
+    }
+
+    /// Stores and replays these headers of an answer instead of [`DEFAULT_STORED_HEADERS`]
+    /// (`Content-Type` and `Location`): the list replaces the default, so name those too if the
+    /// answer needs them. Names are case-insensitive (`X-Transfer-Id` is `x-transfer-id`), and
+    /// every value of a named header is kept.
+    ///
+    /// Name only headers that describe the request's outcome, since every replay repeats them:
+    /// a request id or a timestamp of the first delivery would be repeated too. Refuses a name
+    /// that is not a header name, and the headers of one delivery ([`UNSTORABLE_HEADERS`]:
+    /// `Date`, `Set-Cookie`, the framing and the connection's headers).
+    ///
+    /// ```
+    /// use idempotency_axum::IdempotencyLayer;
+    ///
+    /// fn layer(store: idempotency::Store) -> IdempotencyLayer {
+    ///     IdempotencyLayer::new(store, |_| Ok(1))
+    ///         .store_headers(["content-type", "location", "x-transfer-id"])
+    ///         .expect("valid, storable header names")
+    /// }
+    /// ```
+    pub fn store_headers<I>(mut self, names: I) -> Result<Self, StoredHeaderError>
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        self.stored_headers = headers::stored_header_names(names)?;
+        Ok(self)
     }
 }
 

@@ -19,9 +19,9 @@ use sha2::{Digest, Sha256};
 use tower::ServiceExt;
 
 use super::body::Resumed;
+use super::headers::kept_headers;
 use super::{
     Disposition, IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL,
-    STORED_HEADERS,
 };
 use crate::extract::key_from_headers;
 use crate::problem::{types, Problem};
@@ -299,13 +299,7 @@ async fn settle(
     };
     let stored = StoredResponse {
         status: answer_parts.status.as_u16(),
-        headers: STORED_HEADERS
-            .iter()
-            .filter_map(|name| {
-                let value = answer_parts.headers.get(*name)?.to_str().ok()?;
-                Some(((*name).to_owned(), value.to_owned()))
-            })
-            .collect(),
+        headers: kept_headers(&layer.stored_headers, &answer_parts.headers),
         body: collected.to_vec(),
     };
     finish(&layer.store, &mut lease, &stored).await?;
