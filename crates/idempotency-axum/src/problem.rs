@@ -25,7 +25,9 @@ pub mod types {
     pub const STORE_FAILED: &str = "urn:problem:idempotency:store-failed";
     /// The body could not be read (400).
     pub const BAD_BODY: &str = "urn:problem:idempotency:bad-body";
-    /// The handler failed or panicked; the key was released (500).
+    /// The handler failed or panicked, and the key it ran under was released; or it could not
+    /// run, as a handler that asks for its [`ClaimedKey`](crate::ClaimedKey) without the layer
+    /// in front of it (500).
     pub const HANDLER_FAILED: &str = "urn:problem:idempotency:handler-failed";
     /// Another request with the key took its lease over while the handler ran; this one was
     /// stopped, and that one answers (409).

@@ -13,7 +13,7 @@ use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use idempotency::{DatabaseClock, Store};
 use idempotency_axum::problem::types;
-use idempotency_axum::{Disposition, IdempotencyLayer};
+use idempotency_axum::{ClaimedKey, Disposition, IdempotencyLayer};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use tower::ServiceExt;
@@ -896,4 +896,93 @@ async fn header_names_and_per_delivery_headers_are_refused_as_stored_headers(poo
             Err(StoredHeaderError::Unstorable(_))
         ));
     }
+}
+
+/// What a handler saw of its claimed key.
+#[derive(Debug, Clone, PartialEq)]
+struct Seen {
+    key_id: i64,
+    request_uuid: idempotency::Uuid,
+    user_id: i64,
+    key: String,
+    attempt: i32,
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_handler_sees_its_claimed_key_and_its_uuid_survives_a_retry(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::<Seen>::new()));
+    let failing = Arc::new(AtomicBool::new(true));
+    let (s, f) = (seen.clone(), failing.clone());
+    let app = Router::new()
+        .route(
+            "/transfers",
+            post(move |claimed: ClaimedKey| {
+                let (seen, failing) = (s.clone(), f.clone());
+                async move {
+                    seen.lock().unwrap().push(Seen {
+                        key_id: claimed.key_id(),
+                        request_uuid: claimed.request_uuid(),
+                        user_id: claimed.user_id(),
+                        key: claimed.key().as_str().to_owned(),
+                        attempt: claimed.attempt(),
+                    });
+                    if failing.load(Ordering::SeqCst) {
+                        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+                    }
+                    let foreign = format!("notify-{}", claimed.request_uuid());
+                    (StatusCode::CREATED, foreign).into_response()
+                }
+            }),
+        )
+        .route_layer(layer_for(&pool));
+    let (status, _, _) = read(post_with(&app, "/transfers", "k1", Body::from("{}")).await).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    failing.store(false, Ordering::SeqCst);
+    let (status, _, body) = read(post_with(&app, "/transfers", "k1", Body::from("{}")).await).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _, _) = read(post_with(&app, "/transfers", "k2", Body::from("{}")).await).await;
+    assert_eq!(status, StatusCode::CREATED);
+
+    let seen = seen.lock().unwrap().clone();
+    let [first, retry, other] = seen.as_slice() else {
+        panic!("three runs of the handler: {seen:?}");
+    };
+    let stored: (i64, idempotency::Uuid) = sqlx::query_as(
+        "SELECT id, request_uuid FROM idempotency_keys WHERE idempotency_key = 'k1'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (first.key_id, first.request_uuid),
+        stored,
+        "the key row's own"
+    );
+    assert_eq!(
+        (first.user_id, first.key.as_str(), first.attempt),
+        (1, "k1", 1)
+    );
+    assert_eq!(
+        (retry.key_id, retry.request_uuid, retry.attempt),
+        (first.key_id, first.request_uuid, 2),
+        "the retry runs under the same key row, one attempt later"
+    );
+    assert_eq!(body, format!("notify-{}", first.request_uuid).into_bytes());
+    assert_eq!((other.key.as_str(), other.attempt), ("k2", 1));
+    assert_ne!(other.request_uuid, first.request_uuid);
+    assert_ne!(other.key_id, first.key_id);
+}
+
+#[tokio::test]
+async fn a_claimed_key_asked_for_without_the_layer_is_a_500_problem() {
+    let app = Router::new().route("/transfers", post(|_: ClaimedKey| async { "unreachable" }));
+    let (status, _, body) = read(post_with(&app, "/transfers", "k1", Body::from("{}")).await).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let problem: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["type"], types::HANDLER_FAILED);
+    assert_eq!(
+        problem["detail"],
+        idempotency_axum::layer::NOT_CLAIMED_DETAIL
+    );
 }

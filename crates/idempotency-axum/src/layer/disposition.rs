@@ -22,7 +22,9 @@ pub enum Disposition {
     /// The request was refused before it had any effect (its payload is invalid): the key's
     /// row is deleted, so that the key is as if it had never been sent and a corrected payload
     /// may use it. Use it only for answers of a handler that wrote and called nothing: a
-    /// forgotten key takes a new row, and a new request UUID, on its next use.
+    /// forgotten key takes a new row on its next use, and a new request UUID
+    /// ([`ClaimedKey::request_uuid`](super::ClaimedKey::request_uuid)), so a foreign call made
+    /// under the old one would be made again.
     ///
     /// The delete is fenced by the lease and refused while rows reference the key; a key that
     /// cannot be deleted is left to its lease (see the [module's documentation](super)).

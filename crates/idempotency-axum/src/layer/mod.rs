@@ -20,9 +20,9 @@
 //! - **a validation refusal forgets the key** (400, 422), as Stripe keeps nothing of a request
 //!   that failed validation: the key's row is deleted, and a corrected payload may use the key.
 //!   The delete is fenced by the lease, and refused while rows of the application reference
-//!   the key; a key that cannot be deleted is not released either (the failed delete took its
-//!   lease), so it waits for its lease to expire, and a retry with its payload then runs the
-//!   handler again. The failure is logged.
+//!   the key; a key that cannot be deleted is not released either (`Store::abandon` consumes
+//!   the lease even when it fails), so it waits for its lease to expire, and a retry with its
+//!   payload then runs the handler again. The failure is logged.
 //!
 //! [`IdempotencyLayer::with_disposition`] decides otherwise, from the answer's status, headers
 //! or extensions.
@@ -31,6 +31,10 @@
 //!   template): `POST /accounts/A/transfers` and `POST /accounts/B/transfers` are two requests
 //!   even with one key and one body. A path and query longer than 255 characters enter the
 //!   scope as their SHA-256.
+//! - **The handler sees the key it runs under**: a [`ClaimedKey`] in the request's extensions
+//!   (and an extractor) gives the key row's id, the request's UUID, the client's key and the
+//!   attempt number, so that the handler can derive a foreign idempotency key from the UUID
+//!   (`format!("notify-{uuid}")`), the same on every retry, or log it.
 //! - **Only the outcome's headers are stored** with the answer: `Content-Type` and `Location` by
 //!   default, others named with [`IdempotencyLayer::store_headers`], never those of one delivery
 //!   (`Date`, `Set-Cookie`: [`UNSTORABLE_HEADERS`]). The first delivery is built from what was
@@ -62,6 +66,7 @@
 //! as Rocket Rides does), where every step commits with its recovery point.
 
 mod body;
+mod claimed;
 mod disposition;
 mod headers;
 mod service;
@@ -73,6 +78,7 @@ use http::request::Parts;
 use http::{response, HeaderName, StatusCode};
 use idempotency::Store;
 
+pub use claimed::{ClaimedKey, NOT_CLAIMED_DETAIL};
 pub use disposition::Disposition;
 pub use headers::{StoredHeaderError, DEFAULT_STORED_HEADERS, UNSTORABLE_HEADERS};
 pub use service::Idempotent;

@@ -19,6 +19,7 @@ use sha2::{Digest, Sha256};
 use tower::ServiceExt;
 
 use super::body::Resumed;
+use super::claimed::ClaimedKey;
 use super::headers::kept_headers;
 use super::{
     Disposition, IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL,
@@ -233,7 +234,9 @@ where
     // it runs; if a renewal finds the lease taken over, or cannot vouch for it any more, the
     // handler's task is aborted and awaited, so that nothing of it still runs when the key is
     // released or answered by its new holder. Its answer, if any, is not delivered.
-    let request = Request::from_parts(scoped.parts, Body::from(scoped.bytes));
+    let mut parts = scoped.parts;
+    parts.extensions.insert(ClaimedKey::new(&lease, scoped.key));
+    let request = Request::from_parts(parts, Body::from(scoped.bytes));
     let mut handler = tokio::spawn(inner.oneshot(request));
     let watched = layer
         .store
