@@ -54,8 +54,8 @@ pub use lease::LEASE_LOG;
 pub use response::StoredResponse;
 pub use runner::{Completer, Pass, Reaper, Resumed};
 pub use store::{
-    Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease, NewRequest, OneStep, Phase,
-    RecoveryPoint, Store, DEFAULT_LEASE_TTL,
+    Abandoned, Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease, NewRequest,
+    OneStep, OwnedFinalPhase, Phase, RecoveryPoint, Store, DEFAULT_LEASE_TTL,
 };
 /// The time type of [`ManualClock::new`], [`Clock::now`] and the store's timestamps.
 pub use time::OffsetDateTime;

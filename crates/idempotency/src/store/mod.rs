@@ -49,4 +49,4 @@ mod phase;
 pub use claim::{Begun, FirstPhase};
 pub use maintenance::{KeyFilter, KeyRecord};
 pub use model::{Claim, Lease, NewRequest, OneStep, RecoveryPoint, Store, DEFAULT_LEASE_TTL};
-pub use phase::{FinalPhase, Phase};
+pub use phase::{Abandoned, FinalPhase, OwnedFinalPhase, Phase};

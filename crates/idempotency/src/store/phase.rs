@@ -74,6 +74,25 @@ impl Store {
         })
     }
 
+    /// Opens the final phase of a lease it takes, so that the phase can be handed to another
+    /// task (a handler that writes through its transaction, as `idempotency-axum`'s transactional
+    /// mode does): its writes and the stored response then commit together, or not at all.
+    ///
+    /// On an error the lease comes back with it, to release (or, after
+    /// [`Error::LeaseLost`], to drop).
+    pub async fn final_phase_owned<P: RecoveryPoint>(
+        &self,
+        mut lease: Lease<P>,
+    ) -> Result<OwnedFinalPhase<P>, (Error, Lease<P>)> {
+        match self.final_phase(&mut lease).await {
+            Ok(phase) => {
+                let FinalPhase { tx, now, .. } = phase;
+                Ok(OwnedFinalPhase { tx, lease, now })
+            }
+            Err(e) => Err((e, lease)),
+        }
+    }
+
     /// Begins a transaction and runs the fenced update that must open every phase.
     async fn fence<P: RecoveryPoint>(
         &self,
@@ -179,6 +198,24 @@ impl Store {
         Ok(())
     }
 
+    /// Deletes the key like [`Store::abandon`], or, if rows of the application still reference
+    /// it (their foreign keys refuse the delete), releases it instead, keeping the row and its
+    /// recovery point. Either way the lease is given up at once.
+    pub async fn abandon_or_release<P: RecoveryPoint>(
+        &self,
+        lease: Lease<P>,
+    ) -> Result<Abandoned, Error> {
+        writing(&lease, "abandon");
+        match self.delete_unfinished(&lease).await {
+            Ok(()) => Ok(Abandoned::Deleted),
+            Err(Error::Database { source, .. }) if is_referenced(&source) => {
+                self.release(lease).await?;
+                Ok(Abandoned::Released)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Deletes the key of a request that turned out to be one the application refuses without
     /// an outcome to keep (a 400 found only after the claim, say), so that the key is as if it
     /// had never been sent: a later request may use it again, with any payload. Fenced like a
@@ -188,6 +225,11 @@ impl Store {
     /// foreign keys refuse the delete) and the store's error says so.
     pub async fn abandon<P: RecoveryPoint>(&self, lease: Lease<P>) -> Result<(), Error> {
         writing(&lease, "abandon");
+        self.delete_unfinished(&lease).await
+    }
+
+    /// The fenced delete of an unfinished key and its row of `idempotency_keys_unfinished`.
+    async fn delete_unfinished<P: RecoveryPoint>(&self, lease: &Lease<P>) -> Result<(), Error> {
         let deleted = sqlx::query(
             r#"
             WITH deleted AS (
@@ -286,6 +328,64 @@ impl<P: RecoveryPoint> FinalPhase<'_, P> {
         self.lease.recovery_point = P::FINISHED;
         Ok(())
     }
+}
+
+/// The last phase of a request, owning its lease: see [`Store::final_phase_owned`].
+///
+/// Dropping it rolls back everything written through it and leaves the lease to expire; call
+/// [`OwnedFinalPhase::roll_back`] to get the lease back and release it at once.
+#[derive(Debug)]
+pub struct OwnedFinalPhase<P: RecoveryPoint> {
+    tx: Transaction<'static, Postgres>,
+    lease: Lease<P>,
+    now: Option<OffsetDateTime>,
+}
+
+impl<P: RecoveryPoint> OwnedFinalPhase<P> {
+    /// The transaction's connection, for the phase's business writes.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+
+    /// The lease the phase holds.
+    pub fn lease(&self) -> &Lease<P> {
+        &self.lease
+    }
+
+    /// Stores `response`, marks the key finished, releases the lease and commits, with every
+    /// write made through [`OwnedFinalPhase::conn`].
+    pub async fn finish(mut self, response: &StoredResponse) -> Result<(), Error> {
+        finish_key(&mut self.tx, &self.lease, response, self.now).await?;
+        let key_id = self.lease.key_id;
+        self.tx
+            .commit()
+            .await
+            .map_err(Error::db(format!("finish key {key_id}")))
+    }
+
+    /// Undoes every write made through the phase and gives the lease back, unfinished, to
+    /// release (the answer was not final) or to drop.
+    pub async fn roll_back(self) -> Lease<P> {
+        let key_id = self.lease.key_id;
+        if let Err(e) = self.tx.rollback().await {
+            // The connection is gone: the server rolled the transaction back with it.
+            tracing::warn!(key_id, error = %e, "could not roll the final phase back");
+        }
+        self.lease
+    }
+}
+
+/// What [`Store::abandon_or_release`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abandoned {
+    /// The key row is gone: the key may be used again, with any payload.
+    Deleted,
+    /// Rows of the application reference the key: it was released, and keeps its payload.
+    Released,
+}
+
+fn is_referenced(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("23503"))
 }
 
 /// The statement that finishes a key: the response stored, the lease released, and the key's
