@@ -796,7 +796,7 @@ async fn a_handler_409_releases_the_key_and_the_retry_runs_the_handler_again(poo
 }
 
 #[sqlx::test(migrations = false)]
-async fn a_refusal_whose_key_is_referenced_keeps_it_locked_until_its_lease_ends(pool: PgPool) {
+async fn a_refusal_whose_key_is_referenced_releases_it_with_its_payload(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     sqlx::query("CREATE TABLE audit (key_id BIGINT NOT NULL REFERENCES idempotency_keys (id))")
         .execute(&pool)
@@ -826,14 +826,22 @@ async fn a_refusal_whose_key_is_referenced_keeps_it_locked_until_its_lease_ends(
     assert_eq!(status, StatusCode::BAD_REQUEST, "the answer is delivered");
     assert_eq!(keys(&pool).await, 1, "the referenced key was not deleted");
     assert!(
-        locked_until(&pool).await.is_some(),
-        "the failed delete took the lease: the key waits for it to end"
+        locked_until(&pool).await.is_none(),
+        "the key was released, not left locked until its lease ends"
     );
-    let (status, _, body) = read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
-    assert_eq!(status, StatusCode::CONFLICT);
+    // The same payload runs the handler again at once, and is refused again.
+    let (status, replayed, _) =
+        read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
+    assert_eq!((status, replayed), (StatusCode::BAD_REQUEST, false));
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert!(locked_until(&pool).await.is_none(), "released again");
+    // The key kept its payload: another one under it is a reuse.
+    let (status, _, body) =
+        read(post_with(&app, "/orders", "k1", Body::from(r#"{"item": "tea"}"#)).await).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     let problem: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(problem["type"], types::KEY_IN_FLIGHT);
-    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(problem["type"], types::KEY_REUSED);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
 /// A handler that answers 201 with a transfer id, a location and a header of its own.

@@ -26,8 +26,9 @@ pub enum Disposition {
     /// ([`ClaimedKey::request_uuid`](super::ClaimedKey::request_uuid)), so a foreign call made
     /// under the old one would be made again.
     ///
-    /// The delete is fenced by the lease and refused while rows reference the key; a key that
-    /// cannot be deleted is left to its lease (see the [module's documentation](super)).
+    /// The delete is fenced by the lease and refused while rows reference the key; such a key
+    /// is released instead, keeping its row and payload, as for [`Disposition::Release`] (see
+    /// the [module's documentation](super)).
     Forget,
 }
 

@@ -19,10 +19,11 @@
 //!   released, and a retry with the key and its payload runs the handler again;
 //! - **a validation refusal forgets the key** (400, 422), as Stripe keeps nothing of a request
 //!   that failed validation: the key's row is deleted, and a corrected payload may use the key.
-//!   The delete is fenced by the lease, and refused while rows of the application reference
-//!   the key; a key that cannot be deleted is not released either (`Store::abandon` consumes
-//!   the lease even when it fails), so it waits for its lease to expire, and a retry with its
-//!   payload then runs the handler again. The failure is logged.
+//!   The delete is fenced by the lease ([`Store::abandon_or_release`]). A handler that wrote rows
+//!   referencing its key before it refused (against [`Disposition::Forget`]'s contract) keeps
+//!   the key alive: the application's foreign keys refuse the delete, and the key is released
+//!   instead, with its payload. A retry with that payload then runs the handler again at once,
+//!   and another payload under the key is refused (422). This is logged.
 //!
 //! [`IdempotencyLayer::with_disposition`] decides otherwise, from the answer's status, headers
 //! or extensions.

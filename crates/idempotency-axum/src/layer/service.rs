@@ -12,7 +12,8 @@ use http::request::Parts;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use idempotency::{
-    Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Store, StoredResponse,
+    Abandoned, Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Store,
+    StoredResponse,
 };
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -377,17 +378,22 @@ async fn release(store: &Store, lease: Lease<OneStep>) {
 }
 
 /// Deletes the key of an answer that leaves nothing to keep, so that the key may be used again
-/// with another payload.
+/// with another payload; a key that rows of the application reference is released instead.
 async fn forget(store: &Store, lease: Lease<OneStep>) {
     let key_id = lease.key_id();
-    match store.abandon(lease).await {
-        Ok(()) => {}
+    match store.abandon_or_release(lease).await {
+        Ok(Abandoned::Deleted) => {}
+        // The handler wrote rows that reference its key, against `Forget`'s contract: the key
+        // keeps its row and payload, released, so that a retry runs the handler again at once.
+        Ok(Abandoned::Released) => tracing::warn!(
+            key_id,
+            "could not forget the idempotency key: rows of the application reference it;              released instead, with its payload"
+        ),
         // Another request took the key over: it is that request's to settle.
         Err(e @ idempotency::Error::LeaseLost { .. }) => {
             tracing::warn!(key_id, error = %e, "could not forget the idempotency key");
         }
-        // Rows of the application reference the key, or the database failed. The store took
-        // the lease with the failed delete, so the key cannot be released either: it stays
+        // The database failed. The store took the lease with the failed write, so the key stays
         // locked until its lease expires, and a retry with its payload then runs the handler
         // again.
         Err(e) => tracing::error!(
