@@ -1,5 +1,6 @@
-//! The claim: read the key first, and write only for a key that is absent or can be taken over;
-//! alone, or merged with the request's first phase.
+//! The claim: read the key first, and write only for a key that is absent, can be taken over, or
+//! finished longer ago than the store's retention (expired: replaced by a new row); alone, or
+//! merged with the request's first phase.
 
 use std::time::Duration;
 
@@ -24,6 +25,17 @@ const CLAIM_ROUNDS: usize = 3;
 /// another transaction holds the same key, uncommitted: the request is in flight.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 
+/// PostgreSQL's `foreign_key_violation`: while an expired key's row is deleted, a row of another
+/// table still references it under a foreign key that forbids the delete.
+const FOREIGN_KEY_VIOLATION: &str = "23503";
+
+/// Why an expired key is refused when a row still references it: the claim's error says this,
+/// after the key, and changes nothing.
+const EXPIRY_REFERENCED: &str =
+    "a row of another table still references it under a foreign key that refuses the delete; a \
+     key that expires at read is deleted, so foreign keys to idempotency_keys must be ON DELETE \
+     SET NULL";
+
 /// The answer to a refused claim when the other holder's lease cannot be read: its transaction
 /// has not committed yet.
 const IN_FLIGHT_UNCOMMITTED: Duration = Duration::from_secs(1);
@@ -34,16 +46,28 @@ enum Found<P> {
     Absent,
     /// An unfinished row of the same payload whose lease is free or over.
     Claimable,
+    /// A finished row whose finish is older than the store's retention, whatever its payload: the
+    /// request is a new one. The row is deleted and the key inserted again.
+    Expired(Expired),
     /// A finished row, another payload, or a held lease.
     Refused(Claim<P>),
+}
+
+/// The row of an expired key as the claim read it: its delete is fenced on both.
+#[derive(Debug, Clone, Copy)]
+struct Expired {
+    key_id: i64,
+    finished_at: OffsetDateTime,
 }
 
 /// The outcome of [`Store::begin`] and [`Store::begin_optimistic`].
 #[derive(Debug)]
 pub enum Begun<P: RecoveryPoint> {
-    /// The key was new. It is inserted, at the first point, inside an open transaction: write
-    /// the first phase's rows through [`FirstPhase::conn`] and commit; until then no other
-    /// request sees the key, and a concurrent one with the same key waits for this one's end.
+    /// The key was new, or its earlier use finished longer ago than the store's retention
+    /// ([`Store::with_retention`]). It is inserted, at the first point, inside an open
+    /// transaction (which also deleted the expired row): write the first phase's rows through
+    /// [`FirstPhase::conn`] and commit; until then no other request sees the key, and a
+    /// concurrent one with the same key waits for this one's end.
     New(FirstPhase<P>),
     /// The key existed: its lease was taken over ([`Claim::Acquired`]; resume from its recovery
     /// point), or the claim was refused.
@@ -54,9 +78,17 @@ impl Store {
     /// Acquires the lease of the request's key, inserting the key at `STARTED` if it is new.
     ///
     /// The key is read first, without locks: a replay, a payload mismatch or a held lease is
-    /// answered from that read and writes nothing. Only a key that is absent (an insert) or
-    /// unfinished with its lease free or over (a takeover, with the next fencing token) is
-    /// written. To merge the claim with the first phase, see [`Store::begin`].
+    /// answered from that read and writes nothing. Only a key that is absent (an insert),
+    /// unfinished with its lease free or over (a takeover, with the next fencing token), or
+    /// expired (below) is written. To merge the claim with the first phase, see
+    /// [`Store::begin`].
+    ///
+    /// A key that finished longer ago than the store's retention ([`Store::with_retention`];
+    /// by default none) is expired: whatever its payload, the claim deletes its row and inserts
+    /// the key again, in one transaction, and the caller gets a new lease (a new key id and
+    /// request UUID, token 1) as for a key never seen. A row that references the old one under
+    /// a foreign key that refuses the delete makes the claim fail ([`Error::Database`]) and
+    /// changes nothing. Unfinished keys never expire.
     pub async fn claim<P: RecoveryPoint>(&self, req: NewRequest<'_>) -> Result<Claim<P>, Error> {
         for _ in 0..CLAIM_ROUNDS {
             match self.lookup(&req, &self.pool).await? {
@@ -66,6 +98,25 @@ impl Store {
                         Taken::Lease(lease) => return Ok(Claim::Acquired(lease)),
                         Taken::Locked => return Ok(in_flight_uncommitted()),
                         Taken::NotClaimable => {}
+                    }
+                }
+                Found::Expired(expired) => {
+                    // Before BEGIN: the insert's `now()` is the transaction's start.
+                    let asked_at = self.lease_clock();
+                    let mut tx = self.begin_tx(&req).await?;
+                    match self
+                        .replace_expired(&req, P::STARTED, true, &mut tx, expired, asked_at)
+                        .await?
+                    {
+                        Inserted::Row(lease) => {
+                            tx.commit()
+                                .await
+                                .map_err(|e| expiry_error(&req, expired, e))?;
+                            return Ok(Claim::Acquired(lease));
+                        }
+                        // Dropping the transaction rolls it back.
+                        Inserted::Conflict => {}
+                        Inserted::Locked => return Ok(in_flight_uncommitted()),
                     }
                 }
                 Found::Absent => {
@@ -97,6 +148,9 @@ impl Store {
     ///
     /// `first` may be `STARTED` (the row then says only that the request began), not `FINISHED`
     /// ([`FirstPhase::finish`] stores a response).
+    ///
+    /// An expired key (see [`Store::claim`]) is [`Begun::New`] too: the transaction deletes its
+    /// old row before it inserts the new one, and a concurrent claimer waits on that delete.
     pub async fn begin<P: RecoveryPoint>(
         &self,
         req: NewRequest<'_>,
@@ -111,6 +165,20 @@ impl Store {
                         Taken::Lease(lease) => return Ok(Begun::Existing(Claim::Acquired(lease))),
                         Taken::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
                         Taken::NotClaimable => {}
+                    }
+                }
+                Found::Expired(expired) => {
+                    let asked_at = self.lease_clock();
+                    let mut tx = self.begin_tx(&req).await?;
+                    match self
+                        .replace_expired(&req, first, true, &mut tx, expired, asked_at)
+                        .await?
+                    {
+                        Inserted::Row(lease) => {
+                            return Ok(Begun::New(FirstPhase::new(self, tx, lease, true)))
+                        }
+                        Inserted::Conflict => {}
+                        Inserted::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
                     }
                 }
                 Found::Absent => {
@@ -139,7 +207,8 @@ impl Store {
     ///
     /// A concurrent request with the same key waits for this transaction to end; set a
     /// `lock_timeout` on the connections to bound that wait: when it runs out, the claim
-    /// answers [`Claim::InFlight`].
+    /// answers [`Claim::InFlight`]. An expired key (see [`Store::claim`]) is deleted and
+    /// inserted again in the same transaction, and answered [`Begun::New`].
     pub async fn begin_optimistic<P: RecoveryPoint>(
         &self,
         req: NewRequest<'_>,
@@ -170,6 +239,21 @@ impl Store {
                     }
                     Taken::NotClaimable => None,
                 },
+                Found::Expired(expired) => {
+                    match self
+                        .replace_expired(&req, first, false, &mut tx, expired, asked_at)
+                        .await?
+                    {
+                        Inserted::Row(lease) => {
+                            return Ok(Begun::New(FirstPhase::new(self, tx, lease, false)))
+                        }
+                        Inserted::Locked => {
+                            drop(tx);
+                            return self.locked_out(&req).await.map(Begun::Existing);
+                        }
+                        Inserted::Conflict => None,
+                    }
+                }
                 Found::Absent => None,
             };
             match claim {
@@ -187,7 +271,8 @@ impl Store {
 
     /// The answer when the lock timeout ran out on the key's row: another transaction is
     /// inserting it (in flight), or is updating or deleting a row that may well be finished
-    /// (a finish, the reaper). One plain read tells a replay or a mismatch from a key in flight.
+    /// (a finish, the reaper, a claim that expires it). One plain read tells a replay or a
+    /// mismatch from a key in flight.
     async fn locked_out<P: RecoveryPoint>(&self, req: &NewRequest<'_>) -> Result<Claim<P>, Error> {
         Ok(match self.lookup(req, &self.pool).await? {
             Found::Refused(refusal @ (Claim::Replay(_) | Claim::Mismatch)) => refusal,
@@ -213,10 +298,15 @@ impl Store {
     ) -> Result<Found<P>, Error> {
         let row = sqlx::query(
             r#"
-            SELECT id, fingerprint, finished_at IS NOT NULL AS finished,
+            SELECT id, fingerprint, finished_at IS NOT NULL AS finished, finished_at,
                    response_status, response_headers, response_body,
                    ceil(extract(epoch FROM locked_until - coalesce($5::timestamptz, now())) * 1000)
-                       ::bigint AS lease_millis_left
+                       ::bigint AS lease_millis_left,
+                   -- The reaper's own age test (maintenance.rs), so that a read and a reaper
+                   -- pass with the same retention agree on every key. NULL, not expired, for
+                   -- an unfinished key or a store without a retention ($6 NULL).
+                   finished_at < coalesce($5::timestamptz, now()) - $6 * interval '1 millisecond'
+                       AS expired
             FROM idempotency_keys
             WHERE user_id = $1 AND request_method = $2 AND request_path = $3
               AND idempotency_key = $4
@@ -227,6 +317,7 @@ impl Store {
         .bind(req.route)
         .bind(req.key.as_str())
         .bind(self.now())
+        .bind(self.retention_millis())
         .fetch_optional(db)
         .await
         .map_err(Error::db(format!(
@@ -348,6 +439,75 @@ impl Store {
             confirmed_at: asked_at,
         }))
     }
+
+    /// Deletes the expired row the claim read and inserts the key anew at `point`, in the
+    /// caller's transaction, which must commit both or neither. The delete is fenced on the row's
+    /// id and `finished_at` (finished rows are never updated, so this is the row that was read)
+    /// and tests the age again; it locks the old row until the transaction ends, so a
+    /// concurrent claimer's delete waits, then matches nothing and reads again. Zero rows (the
+    /// reaper or another claimer was first) is [`Inserted::Conflict`]: read again.
+    async fn replace_expired<P: RecoveryPoint>(
+        &self,
+        req: &NewRequest<'_>,
+        point: P,
+        track: bool,
+        conn: &mut PgConnection,
+        expired: Expired,
+        asked_at: Duration,
+    ) -> Result<Inserted<P>, Error> {
+        let deleted = sqlx::query(
+            r#"
+            DELETE FROM idempotency_keys
+            WHERE user_id = $1 AND id = $2
+              AND finished_at = $3
+              AND finished_at < coalesce($4::timestamptz, now()) - $5 * interval '1 millisecond'
+            "#,
+        )
+        .bind(req.user_id)
+        .bind(expired.key_id)
+        .bind(expired.finished_at)
+        .bind(self.now())
+        .bind(self.retention_millis())
+        .execute(&mut *conn)
+        .await;
+        match deleted {
+            Ok(done) if done.rows_affected() == 0 => return Ok(Inserted::Conflict),
+            Ok(_) => {}
+            Err(e) if is_lock_timeout(&e) => return Ok(Inserted::Locked),
+            Err(e) => return Err(expiry_error(req, expired, e)),
+        }
+        tracing::info!(
+            user_id = req.user_id,
+            expired_key_id = expired.key_id,
+            finished_at = %expired.finished_at,
+            "idempotency key past its retention: answered as a new request"
+        );
+        self.insert(req, point, track, conn, asked_at).await
+    }
+}
+
+/// The error of a claim that could not replace an expired key: the delete, or the commit of a
+/// transaction whose deferred foreign keys refuse it.
+fn expiry_error(req: &NewRequest<'_>, expired: Expired, e: sqlx::Error) -> Error {
+    let referenced = matches!(
+        &e,
+        sqlx::Error::Database(d) if d.code().as_deref() == Some(FOREIGN_KEY_VIOLATION)
+    );
+    let context = format!(
+        "expire key {:?} of user {} (row {}, finished at {} and past the retention)",
+        req.key.as_str(),
+        req.user_id,
+        expired.key_id,
+        expired.finished_at
+    );
+    Error::Database {
+        context: if referenced {
+            format!("{context}: {EXPIRY_REFERENCED}")
+        } else {
+            context
+        },
+        source: e,
+    }
 }
 
 /// What a takeover did.
@@ -366,7 +526,8 @@ fn is_lock_timeout(e: &sqlx::Error) -> bool {
 /// What an insert did.
 enum Inserted<P> {
     Row(Lease<P>),
-    /// The key exists.
+    /// The key exists (for an expired key: its row changed or went since it was read): read
+    /// again.
     Conflict,
     /// Another transaction holds the key (inserting it, or updating or deleting its row) and
     /// the connection's `lock_timeout` ran out waiting for it.
@@ -396,6 +557,13 @@ fn in_flight_uncommitted<P>() -> Claim<P> {
 /// Tells what a claim may do with an existing row.
 fn classify<P: RecoveryPoint>(row: &PgRow, req: &NewRequest<'_>) -> Result<Found<P>, Error> {
     let key_id: i64 = row.get("id");
+    // Before the payload: after expiry the key is a new request, whatever it carries.
+    if row.get::<Option<bool>, _>("expired") == Some(true) {
+        return Ok(Found::Expired(Expired {
+            key_id,
+            finished_at: row.get("finished_at"),
+        }));
+    }
     let fingerprint: Vec<u8> = row.get("fingerprint");
     if fingerprint.as_slice() != req.fingerprint.as_bytes() {
         return Ok(Found::Refused(Claim::Mismatch));

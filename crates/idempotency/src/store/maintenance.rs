@@ -152,12 +152,33 @@ impl Store {
         Ok(())
     }
 
+    /// Deletes up to `limit` keys that finished more than the store's retention ago
+    /// ([`Store::with_retention`]); returns how many. With the same clock, these are exactly the
+    /// keys a claim answers as new requests (the same age test, `finished_at < now -
+    /// retention`), so reaping changes no answer: it only keeps the table small. A store without
+    /// a retention refuses ([`Error::InvalidConfig`]): its keys are kept for good.
+    pub async fn reap_expired(&self, limit: i64) -> Result<u64, Error> {
+        let Some(retention) = self.retention else {
+            return Err(Error::InvalidConfig(
+                "reap_expired needs the store's retention (Store::with_retention): without one, \
+                 finished keys are kept for good"
+                    .into(),
+            ));
+        };
+        self.reap_finished(retention, limit).await
+    }
+
     /// Deletes up to `limit` keys that finished more than `retention` ago; returns how many.
     ///
     /// Unfinished keys are never touched, whatever their age: they still owe a result. A read
     /// of candidates across users comes first, then one short `DELETE` per user (one shard once
     /// the table is distributed by user) that checks the age again; no statement holds many
     /// locks for long.
+    ///
+    /// The age test is the one a claim applies at read when the store has a retention: pass
+    /// that retention (or call [`Store::reap_expired`]), or keys shorter-lived than it vanish
+    /// before their claims would expire them, and a late retry's fate depends again on when
+    /// the reaper ran.
     pub async fn reap_finished(&self, retention: Duration, limit: i64) -> Result<u64, Error> {
         let now = self.now();
         let retention = retention.as_millis().min(i64::MAX as u128) as i64;

@@ -178,6 +178,8 @@ pub struct Store {
     pub(super) clock: Arc<dyn Clock>,
     pub(super) lease_ttl: Duration,
     pub(crate) heartbeat: Duration,
+    /// How long a finished key answers for its request; `None`: for as long as its row exists.
+    pub(super) retention: Option<Duration>,
 }
 
 impl std::fmt::Debug for Store {
@@ -185,13 +187,29 @@ impl std::fmt::Debug for Store {
         f.debug_struct("Store")
             .field("lease_ttl", &self.lease_ttl)
             .field("heartbeat", &self.heartbeat)
+            .field("retention", &self.retention)
             .finish_non_exhaustive()
     }
 }
 
 impl Store {
+    /// The shortest retention [`Store::with_retention`] accepts: one hour.
+    ///
+    /// Clients retry over minutes (a backoff, a queue that drains after an outage, a person who
+    /// presses the button again), and each of those retries must replay. A retention shorter than
+    /// an hour is most likely a unit mistake (seconds meant as hours), and it would turn ordinary
+    /// retries into second effects. An application that tells its clients how long they may
+    /// retry keeps its keys at least that long (Rocket Rides: Stripe's 24 hours, 48 by default).
+    pub const MIN_RETENTION: Duration = Duration::from_secs(3600);
+
+    /// The longest retention [`Store::with_retention`] accepts: ten years. To keep keys for
+    /// good, set none.
+    pub const MAX_RETENTION: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
+
     /// A store over `pool`, with `clock` for lease arithmetic and leases of `lease_ttl`, renewed
-    /// every third of it under [`Store::call_under_lease`] (see [`Store::with_heartbeat`]).
+    /// every third of it under [`Store::call_under_lease`] (see [`Store::with_heartbeat`]). It
+    /// has no retention: a finished key replays for as long as its row exists (see
+    /// [`Store::with_retention`]).
     pub fn new(pool: PgPool, clock: Arc<dyn Clock>, lease_ttl: Duration) -> Result<Self, Error> {
         if lease_ttl < Duration::from_secs(1) || lease_ttl > Duration::from_secs(3600) {
             return Err(Error::InvalidConfig(format!(
@@ -203,7 +221,54 @@ impl Store {
             clock,
             lease_ttl,
             heartbeat: lease_ttl / 3,
+            retention: None,
         })
+    }
+
+    /// Sets how long a finished key answers for its request: between [`Store::MIN_RETENTION`]
+    /// (an hour) and [`Store::MAX_RETENTION`].
+    ///
+    /// **Expiry at read.** A claim ([`Store::claim`], [`Store::begin`],
+    /// [`Store::begin_optimistic`]) that finds the key finished more than `retention` ago
+    /// (`finished_at < now - retention`, by the store's clock) answers it as it would a key never
+    /// seen: in one transaction it deletes the old row and inserts a new one, with a new id, a new
+    /// [`Lease::request_uuid`] (so foreign keys derived from it are new too) and token 1. The
+    /// payload does not matter: another payload after expiry is a new request, not a
+    /// [`Claim::Mismatch`]. So whether a late retry replays or runs again depends only on the
+    /// time since its key finished, never on when a reaper last ran. An unfinished key never
+    /// expires: it still owes a result.
+    ///
+    /// **The reaper agrees.** [`Store::reap_expired`] deletes, with this retention, exactly the
+    /// keys a claim would find expired (the same age test); it only keeps the table small.
+    ///
+    /// **Rows that reference keys.** The old row is deleted, so a foreign key to
+    /// `idempotency_keys` must allow that: `ON DELETE SET NULL` keeps the application's rows
+    /// (Rocket Rides' rides). A `RESTRICT` or `NO ACTION` foreign key with a referencing row makes
+    /// the claim fail with an [`Error::Database`] that says so, and changes nothing; the key keeps
+    /// failing until the reference is gone.
+    ///
+    /// **Concurrent claims** of an expired key: the delete is fenced on the row's id and
+    /// `finished_at` and re-checks the age; the first claimer's delete locks the old row until its
+    /// transaction ends, and the others then find it gone and read again: they see the new row
+    /// held ([`Claim::InFlight`]) or, once it finished, its replay. Exactly one of them runs.
+    ///
+    /// By default a store has no retention, so that upgrading the library changes no answer:
+    /// keys replay until something deletes them ([`Store::reap_finished`]), as before.
+    pub fn with_retention(mut self, retention: Duration) -> Result<Self, Error> {
+        if retention < Self::MIN_RETENTION || retention > Self::MAX_RETENTION {
+            return Err(Error::InvalidConfig(format!(
+                "the key retention must be between 1 h and 10 years (for good: set none), got \
+                 {retention:?}"
+            )));
+        }
+        self.retention = Some(retention);
+        Ok(self)
+    }
+
+    /// How long a finished key answers for its request ([`Store::with_retention`]); `None`: for
+    /// as long as its row exists.
+    pub fn retention(&self) -> Option<Duration> {
+        self.retention
     }
 
     /// The pool the store writes through; the application's phase writes share its transactions.
@@ -242,6 +307,13 @@ impl Store {
     pub(crate) fn ttl_millis(&self) -> i64 {
         // Bounded to one hour by `new`, so it fits.
         self.lease_ttl.as_millis() as i64
+    }
+
+    /// The retention in milliseconds, for `$n * interval '1 millisecond'`; NULL in SQL when
+    /// there is none, which makes every age comparison with it NULL (not expired).
+    pub(crate) fn retention_millis(&self) -> Option<i64> {
+        // Bounded to ten years by `with_retention`, so it fits.
+        self.retention.map(|r| r.as_millis() as i64)
     }
 }
 
