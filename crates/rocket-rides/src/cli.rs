@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use idempotency::{DatabaseClock, KeyFilter, Store};
 
 use crate::app::{self, AppState};
-use crate::config::{GatewayArgs, HttpArgs, LeaseArgs, ShutdownArgs, WorkerArgs};
+use crate::config::{GatewayArgs, HttpArgs, LeaseArgs, RetentionArgs, ShutdownArgs, WorkerArgs};
 use crate::shutdown::{os_signal, Shutdown, HARD_STOP_MARGIN};
 use crate::telemetry::LogFormat;
 
@@ -88,6 +88,8 @@ enum Command {
         gateway: GatewayArgs,
         #[command(flatten)]
         lease: LeaseArgs,
+        #[command(flatten)]
+        retention: RetentionArgs,
         #[command(flatten)]
         shutdown: ShutdownArgs,
     },
@@ -208,6 +210,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             http,
             gateway,
             lease,
+            retention,
             shutdown,
         } => {
             serve(Serving {
@@ -218,6 +221,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 http,
                 gateway,
                 lease,
+                retention,
                 shutdown,
             })
             .await?;
@@ -240,7 +244,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             } else {
                 connect_serving(&db, connections).await?
             };
-            let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
+            // The worker's claims agree with the API's on what has expired, as its reaper does.
+            let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?
+                .with_key_retention(worker.key_retention)?;
             if once {
                 crate::worker::run_once(&state, &worker).await?;
             } else {
@@ -327,6 +333,7 @@ struct Serving {
     http: HttpArgs,
     gateway: GatewayArgs,
     lease: LeaseArgs,
+    retention: RetentionArgs,
     shutdown: ShutdownArgs,
 }
 
@@ -341,12 +348,17 @@ async fn serve(settings: Serving) -> anyhow::Result<()> {
         http,
         gateway,
         lease,
+        retention,
         shutdown,
     } = settings;
     crate::config::validate_http(&http, &gateway).map_err(anyhow::Error::msg)?;
     crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
+    crate::config::validate_key_retention(retention.key_retention).map_err(anyhow::Error::msg)?;
     let pool = connect_serving(&db, max_connections).await?;
-    let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?;
+    // Finished keys expire at read after the retention: a late retry's answer depends on its
+    // key's age, not on when the worker's reaper last ran.
+    let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?
+        .with_key_retention(retention.key_retention)?;
     state.http = http.clone();
     let listener = tokio::net::TcpListener::bind(listen)
         .await

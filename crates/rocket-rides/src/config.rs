@@ -106,8 +106,44 @@ pub const DEFAULT_GATEWAY_KEY_WINDOW: Duration = Duration::from_secs(23 * 3600);
 pub const DEFAULT_GATEWAY_PROCESSING_BOUND: Duration = Duration::from_secs(5 * 60);
 
 /// The shortest `--key-retention`: Stripe keeps idempotency keys for 24 hours, and clients are
-/// written to retry within that. A key reaped sooner makes a late retry book and charge again.
+/// written to retry within that. A key that expires sooner makes a late retry book and charge
+/// again.
 pub const MIN_KEY_RETENTION: Duration = STRIPE_KEY_RETENTION;
+
+/// Default of `--key-retention`: twice Stripe's 24 hours, so that a client retrying for as long
+/// as Stripe remembers its own keys, and then some, still gets its first answer.
+pub const DEFAULT_KEY_RETENTION: Duration = Duration::from_secs(48 * 3600);
+
+/// How long a finished key answers for its request, in `serve`: the API's key store expires a
+/// key at read once it finished longer ago than this (the request is then a new one), so the
+/// answer to a late retry never depends on when the reaper last ran. The worker's reaper takes
+/// the same flag ([`WorkerArgs::key_retention`]); give both processes the same value.
+#[derive(Debug, Clone, Args)]
+pub struct RetentionArgs {
+    /// How long a finished key replays its answer; a retry later than this books a new ride. The
+    /// worker's --key-retention must be the same. At least 24h, as long as Stripe keeps its keys.
+    #[arg(long, env = "KEY_RETENTION", value_parser = parse_duration, default_value = "48h")]
+    pub key_retention: Duration,
+}
+
+impl Default for RetentionArgs {
+    fn default() -> Self {
+        Self {
+            key_retention: DEFAULT_KEY_RETENTION,
+        }
+    }
+}
+
+/// Checks `--key-retention`, for `serve` and `worker` alike.
+pub fn validate_key_retention(retention: Duration) -> Result<(), String> {
+    if retention < MIN_KEY_RETENTION {
+        return Err(format!(
+            "--key-retention ({retention:?}) must be at least 24h, as long as Stripe keeps its \
+             keys: a retry after its key expired books and charges again"
+        ));
+    }
+    Ok(())
+}
 
 /// The key window's floor: this many times the life of one attempt (the gateway timeout, a
 /// lease that may expire after it, and the gateway's processing bound). A call that starts just
@@ -246,7 +282,9 @@ pub struct WorkerArgs {
     /// Pause between two reaper passes.
     #[arg(long, env = "REAPER_INTERVAL", value_parser = parse_duration, default_value = "1m")]
     pub reaper_interval: Duration,
-    /// How long finished keys are kept, so that retries within it replay. Stripe keeps 24 h.
+    /// How long finished keys replay; the reaper deletes them after it, and `serve` answers them
+    /// as new requests after it: give `serve` the same value. At least 24h, as long as Stripe
+    /// keeps its keys.
     #[arg(long, env = "KEY_RETENTION", value_parser = parse_duration, default_value = "48h")]
     pub key_retention: Duration,
     /// Keys deleted per reaper statement; small enough that no statement holds locks for long.
@@ -272,7 +310,7 @@ impl Default for WorkerArgs {
             completer_backoff: Duration::from_secs(5),
             completer_backoff_max: Duration::from_secs(600),
             reaper_interval: Duration::from_secs(60),
-            key_retention: Duration::from_secs(48 * 3600),
+            key_retention: DEFAULT_KEY_RETENTION,
             reaper_batch: 1000,
             drain_interval: Duration::from_secs(1),
             drain_batch: 100,
@@ -305,14 +343,7 @@ pub fn validate_worker(worker: &WorkerArgs, lease: &LeaseArgs) -> Result<(), Str
             return Err(format!("{name} ({value:?}) must be at least 10ms"));
         }
     }
-    if worker.key_retention < MIN_KEY_RETENTION {
-        return Err(format!(
-            "--key-retention ({:?}) must be at least 24h, as long as Stripe keeps its keys: a \
-             retry after its key was reaped books and charges again",
-            worker.key_retention
-        ));
-    }
-    Ok(())
+    validate_key_retention(worker.key_retention)
 }
 
 /// Checks the shutdown deadline against the gateway: a call in flight at SIGTERM gets its
@@ -586,6 +617,13 @@ mod tests {
             ..Default::default()
         };
         let err = validate_worker(&hour, &lease).unwrap_err();
+        assert!(err.contains("--key-retention"), "{err}");
+        assert_eq!(validate_key_retention(MIN_KEY_RETENTION), Ok(()));
+        assert_eq!(
+            validate_key_retention(RetentionArgs::default().key_retention),
+            Ok(())
+        );
+        let err = validate_key_retention(MIN_KEY_RETENTION - Duration::from_secs(1)).unwrap_err();
         assert!(err.contains("--key-retention"), "{err}");
     }
 

@@ -79,4 +79,14 @@ impl AppState {
             failpoints: Failpoints::from_env().map_err(StartError::Settings)?,
         })
     }
+
+    /// Gives the key store its retention (`--key-retention`, at least 24 h): a key that
+    /// finished longer ago is answered as a new request ([`Store::with_retention`]), so the
+    /// answer to a late retry depends on the key's age only, not on when the reaper last ran.
+    /// `serve` and `worker` set it; without it, keys replay until they are reaped.
+    pub fn with_key_retention(mut self, retention: Duration) -> Result<Self, StartError> {
+        crate::config::validate_key_retention(retention).map_err(StartError::Settings)?;
+        self.store = self.store.with_retention(retention)?;
+        Ok(self)
+    }
 }

@@ -97,3 +97,25 @@ fn a_key_retention_shorter_than_a_day_is_refused_at_start() {
     let text = String::from_utf8_lossy(&refused.stderr);
     assert!(text.contains("--key-retention"), "{text}");
 }
+
+#[test]
+fn serve_takes_the_key_retention_and_refuses_one_shorter_than_a_day() {
+    let help = rocket_rides(&["serve", "--help"], &[]);
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(text.contains("--key-retention"), "{text}");
+    assert!(text.contains("KEY_RETENTION"), "{text}");
+    for (args, env) in [
+        (&["--key-retention", "23h"][..], &[][..]),
+        (&[], &[("KEY_RETENTION", "1h")]),
+    ] {
+        let mut command = vec!["serve", "--listen", "127.0.0.1:0"];
+        command.extend_from_slice(args);
+        let mut env = env.to_vec();
+        env.push(("DATABASE_URL", DATABASE_URL));
+        let refused = rocket_rides(&command, &env);
+        assert!(!refused.status.success(), "{args:?} {env:?}");
+        let text = String::from_utf8_lossy(&refused.stderr);
+        assert!(text.contains("--key-retention"), "{text}");
+        assert!(text.contains("at least 24h"), "{text}");
+    }
+}
