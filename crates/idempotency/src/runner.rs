@@ -311,24 +311,27 @@ enum Attempt {
     Lost,
 }
 
-/// Deletes finished keys past their retention, in batches. See the [module](crate::runner).
+/// Deletes finished keys past the store's retention, in batches. See the [module](crate::runner).
+///
+/// It reaps with the retention the store's claims expire keys with ([`Store::with_retention`]),
+/// so that reaping changes no answer: a late retry's fate never depends on when the reaper ran.
 #[derive(Debug, Clone)]
 pub struct Reaper {
     store: Store,
-    retention: Duration,
     batch: i64,
 }
 
 impl Reaper {
-    /// A reaper of the keys that finished more than `retention` ago, 500 per statement. Keep the
-    /// retention longer than any client retries: after a key is reaped, the same key string
-    /// starts a new request.
-    pub fn new(store: Store, retention: Duration) -> Self {
-        Self {
-            store,
-            retention,
-            batch: 500,
+    /// A reaper of the keys that finished longer ago than `store`'s retention, 500 per statement.
+    /// A store without a retention keeps its keys for good, and is refused
+    /// ([`Error::InvalidConfig`]).
+    pub fn new(store: Store) -> Result<Self, Error> {
+        if store.retention().is_none() {
+            return Err(Error::InvalidConfig(
+                "a reaper needs a store with a retention (Store::with_retention)".into(),
+            ));
         }
+        Ok(Self { store, batch: 500 })
     }
 
     /// The most keys one statement deletes (at least one): short statements hold few locks.
@@ -341,7 +344,7 @@ impl Reaper {
     pub async fn run_once(&self) -> Result<u64, Error> {
         let mut total = 0;
         loop {
-            let deleted = self.store.reap_finished(self.retention, self.batch).await?;
+            let deleted = self.store.reap_expired(self.batch).await?;
             total += deleted;
             if deleted < self.batch as u64 {
                 if total > 0 {

@@ -12,7 +12,9 @@ use crate::state::AppState;
 
 /// Deletes batches until one comes back short; returns how many keys were deleted.
 pub async fn run_once(state: &AppState, settings: &WorkerArgs) -> Result<u64, idempotency::Error> {
-    let total = Reaper::new(state.store.clone(), settings.key_retention)
+    // The worker's store has this retention already; a test's state may not.
+    let store = state.store.clone().with_retention(settings.key_retention)?;
+    let total = Reaper::new(store)?
         .batch(settings.reaper_batch)
         .run_once()
         .await?;
