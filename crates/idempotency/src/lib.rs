@@ -26,10 +26,20 @@
 //!   point, or not at all.
 //! - Calls to foreign systems (a payment gateway) happen *between* phases, never inside one, with
 //!   a foreign idempotency key derived from [`Lease::request_uuid`], so a resumed request gets the same
-//!   foreign result instead of a second one.
+//!   foreign result instead of a second one. Run them with [`Store::call_under_lease`] (the
+//!   [lease kit](lease)): it renews the lease while the call runs and stops the call, or never
+//!   starts it, once the lease may be someone else's.
 //! - [`Store::final_phase`] stores the response and releases the lease in the same transaction;
 //!   later claims of the key get [`Claim::Replay`].
 //! - [`Store::release`] frees the lease after a transient failure, keeping the recovery point.
+//! - The [`Completer`] finishes keys that their requests abandoned, with the application's own
+//!   code as a closure; the [`Reaper`] deletes finished keys past the retention ([runner]).
+//! - A store with a retention ([`Store::with_retention`]) answers a key that finished longer ago
+//!   as a new request would be, whatever the reaper did: its fate never depends on when the
+//!   reaper last ran.
+//!
+//! `examples/transfer.rs` is a whole service of this kind: a money transfer with a notification,
+//! crashed and finished by the completer in its tests.
 //!
 //! Time comes from a [`Clock`], so that tests expire leases by moving time rather than sleeping.
 
