@@ -4,7 +4,10 @@
 //!   handler once, stores its final answer and replays it; the answer's [`Disposition`] says
 //!   whether it is final, or releases the key, or forgets it (see [`layer`] for what it cannot
 //!   guarantee, and when to write phases instead). Its handler finds the key it runs under,
-//!   and the request's UUID to derive foreign keys from, as a [`ClaimedKey`].
+//!   and the request's UUID to derive foreign keys from, as a [`ClaimedKey`]. In its
+//!   transactional mode ([`IdempotencyLayer::transactional`]) the handler writes through the
+//!   key's own transaction, a [`KeyTransaction`], and its writes commit with the stored answer
+//!   or not at all.
 //! - [`RequiredKey`] extracts and validates `Idempotency-Key` (400 problem+json when missing or
 //!   malformed, before the handler writes anything).
 //! - [`acquired_or_respond`] turns a refused claim into its answer: the stored response replayed
@@ -24,7 +27,7 @@ pub mod problem;
 mod replay;
 
 pub use extract::{RequiredKey, IDEMPOTENCY_KEY, KEY_MISSING_DETAIL, ONE_KEY_DETAIL};
-pub use layer::{ClaimedKey, Disposition, IdempotencyLayer};
+pub use layer::{ClaimedKey, Disposition, IdempotencyLayer, KeyTransaction};
 pub use problem::{retry_after_seconds, Problem, PROBLEM_JSON};
 pub use replay::{
     acquired_or_respond, replayed_response, stored_response, IDEMPOTENT_REPLAYED,

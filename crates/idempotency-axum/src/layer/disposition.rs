@@ -17,14 +17,16 @@ pub enum Disposition {
     Store,
     /// The answer is a passing failure (the service is down, the request was throttled): the
     /// key keeps its row and its payload, its lease is released, and a retry with the key runs
-    /// the handler again at once.
+    /// the handler again at once. In the [transactional mode](super#the-transactional-mode)
+    /// the handler's writes are rolled back first.
     Release,
     /// The request was refused before it had any effect (its payload is invalid): the key's
     /// row is deleted, so that the key is as if it had never been sent and a corrected payload
     /// may use it. Use it only for answers of a handler that wrote and called nothing: a
     /// forgotten key takes a new row on its next use, and a new request UUID
     /// ([`ClaimedKey::request_uuid`](super::ClaimedKey::request_uuid)), so a foreign call made
-    /// under the old one would be made again.
+    /// under the old one would be made again. In the [transactional
+    /// mode](super#the-transactional-mode) the handler's writes are rolled back first.
     ///
     /// The delete is fenced by the lease and refused while rows reference the key; such a key
     /// is released instead, keeping its row and payload, as for [`Disposition::Release`] (see

@@ -10,6 +10,9 @@
 //!                                                  └─ replay / 422 / 409 ─► answer without calling the handler
 //! ```
 //!
+//! In the [transactional mode](#the-transactional-mode) the handler runs inside the key's own
+//! transaction, which stores the answer with the handler's writes or rolls them back with it.
+//!
 //! The layer claims the key, calls the handler once, and lets the answer's [`Disposition`] decide
 //! what becomes of the key. By default ([`Disposition::for_status`]):
 //!
@@ -59,18 +62,70 @@
 //!   await, and its client gets 409 `lease-lost` (or 500): the request that took the key over
 //!   answers instead.
 //!
-//! What it cannot do: the handler's writes and the stored answer are not one transaction. If the
-//! process dies after the handler's effect and before the answer is stored, the retry runs the
-//! handler again once the lease expires. Use it for handlers whose effect is idempotent by itself
-//! (an upsert, a call with a derived foreign key) or when one repetition after a crash is
-//! acceptable; write handlers with several effects as phases ([`idempotency::Store::phase`],
+//! What the default mode cannot do: the handler's writes and the stored answer are not one
+//! transaction. If the process dies after the handler's effect and before the answer is stored
+//! (or the handler commits a write and then panics), the retry runs the handler again once the
+//! lease expires: a deposit is made twice. Use the default mode for handlers whose effect is
+//! idempotent by itself (an upsert, a call with a derived foreign key) or when one repetition
+//! after a crash is acceptable; make a handler that only writes to the key's database
+//! transactional; write handlers with several effects as phases ([`idempotency::Store::phase`],
 //! as Rocket Rides does), where every step commits with its recovery point.
+//!
+//! # The transactional mode
+//!
+//! [`IdempotencyLayer::transactional`] makes the handler's database writes and the stored answer
+//! one transaction. After the claim, the layer opens the key's final phase
+//! ([`Store::final_phase_owned`]: a transaction that locks the key row) *before* the handler
+//! runs, and hands it to the handler as a [`KeyTransaction`]. The handler writes through it;
+//! once the handler has returned, the layer ends the transaction by the answer's disposition:
+//!
+//! ```text
+//!  claim ─► BEGIN; lock the key row ─► handler writes through KeyTransaction ─┬─ Store ─► answer stored, COMMIT (writes and answer together)
+//!                                                                             ├─ Release ► ROLLBACK, release
+//!                                                                             ├─ Forget ─► ROLLBACK, delete the key
+//!                                                                             └─ panic, error, too large ─► ROLLBACK, release, 500
+//! ```
+//!
+//! - **A final answer commits with the writes**: a retry finds both, or neither. If the commit
+//!   fails, the client gets 500, never the handler's answer, and nothing of the request is
+//!   kept; the key then waits for its lease to expire (the failed commit took the lease with
+//!   it), and a retry runs the handler anew.
+//! - **An answer that is not stored undoes the handler's writes**: a 5xx, 408, 409, 425 or 429
+//!   (released) and a 400 or 422 (forgotten) roll them back, as do a panic, a handler error, an
+//!   answer whose body fails and an answer too large to store (these answer 500: a success
+//!   whose writes were undone would be a lie). A handler that must keep a write with such an
+//!   answer (an audit row of a refusal) stores that answer instead
+//!   ([`IdempotencyLayer::with_disposition`]).
+//! - **A crash undoes everything**: a process that dies mid-handler loses its connection,
+//!   PostgreSQL rolls the transaction back and frees the row, and a retry runs the handler
+//!   cleanly once the lease expires.
+//! - **No lease heartbeat**: the transaction holds the key row's lock until it ends, so no
+//!   request can take the key over meanwhile (a takeover's write waits for the lock; a renewal
+//!   from another connection would wait for it too). A retry while the lease lasts gets 409;
+//!   after it, its takeover waits for the transaction's end (or the connection's
+//!   `lock_timeout`, then 409), and then replays the answer or runs the handler anew.
+//!
+//! What the handler must do in this mode:
+//!
+//! - **make no foreign call** (a payment gateway, a message queue): the transaction stays open
+//!   while it runs, and a call's effect would not roll back with it. Write phases instead;
+//! - **be short**: it holds a pooled connection and the key row's lock while it runs. Bound a
+//!   stuck one with PostgreSQL's `idle_in_transaction_session_timeout` on the pool's
+//!   connections (its commit then fails: 500, nothing kept);
+//! - **write through the [`KeyTransaction`] only**: a second connection from the same pool
+//!   would commit on its own, and under load a pool whose connections all wait for a second
+//!   one starves;
+//! - **let no statement fail unhandled**: a failed statement aborts the transaction, and a
+//!   final answer then cannot be stored (500). Try a statement that may fail in a savepoint
+//!   (`sqlx::Connection::begin` on the connection).
 
 mod body;
 mod claimed;
 mod disposition;
 mod headers;
 mod service;
+mod settle;
+mod transaction;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,6 +138,7 @@ pub use claimed::{ClaimedKey, NOT_CLAIMED_DETAIL};
 pub use disposition::Disposition;
 pub use headers::{StoredHeaderError, DEFAULT_STORED_HEADERS, UNSTORABLE_HEADERS};
 pub use service::Idempotent;
+pub use transaction::{KeyConnection, KeyTransaction, NO_TRANSACTION_DETAIL};
 
 /// The default largest request body the layer buffers to fingerprint it.
 pub const DEFAULT_MAX_BODY: usize = 64 * 1024;
@@ -117,6 +173,7 @@ pub struct IdempotencyLayer {
     max_body: usize,
     max_stored_body: usize,
     stored_headers: Arc<[HeaderName]>,
+    transactional: bool,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -126,6 +183,7 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("max_stored_body", &self.max_stored_body)
             .field("heartbeat", &self.heartbeat())
             .field("stored_headers", &self.stored_headers)
+            .field("transactional", &self.transactional)
             .finish_non_exhaustive()
     }
 }
@@ -146,12 +204,35 @@ impl IdempotencyLayer {
             max_body: DEFAULT_MAX_BODY,
             max_stored_body: MAX_STORED_BODY,
             stored_headers: DEFAULT_STORED_HEADERS.map(HeaderName::from_static).into(),
+            transactional: false,
         }
+    }
+
+    /// Runs the handler inside the key's own transaction, handed to it as a [`KeyTransaction`]:
+    /// its writes through it commit together with the stored answer, or not at all. A handler
+    /// that commits a deposit and then panics, or whose process dies before its answer is
+    /// stored, leaves no deposit behind, and the retry makes it once.
+    ///
+    /// An answer that is not stored (5xx, 409, 400, 422 by default) undoes the handler's
+    /// writes. The handler must make no foreign call and should be short: see [the transactional
+    /// mode](self#the-transactional-mode) for what it gives and what it asks.
+    ///
+    /// ```
+    /// use idempotency_axum::IdempotencyLayer;
+    ///
+    /// fn layer(store: idempotency::Store) -> IdempotencyLayer {
+    ///     IdempotencyLayer::new(store, |_| Ok(1)).transactional()
+    /// }
+    /// ```
+    pub fn transactional(mut self) -> Self {
+        self.transactional = true;
+        self
     }
 
     /// How often the lease is renewed while the handler runs: the store's
     /// [`Store::heartbeat`], by default a third of its lease TTL, so that one late renewal still
-    /// leaves the lease alive.
+    /// leaves the lease alive. The [transactional mode](IdempotencyLayer::transactional) renews
+    /// nothing: the key's transaction holds its row until the handler is done.
     pub fn heartbeat(&self) -> Duration {
         self.store.heartbeat()
     }

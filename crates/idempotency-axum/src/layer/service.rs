@@ -1,7 +1,6 @@
 //! The service the layer makes: read and scope the request, claim, run the handler detached,
 //! store or release.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -10,24 +9,18 @@ use axum::body::{Body, Bytes};
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::{Request, StatusCode};
-use http_body_util::BodyExt;
-use idempotency::{
-    Abandoned, Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Store,
-    StoredResponse,
-};
+use idempotency::{Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
 
-use super::body::Resumed;
 use super::claimed::ClaimedKey;
-use super::headers::kept_headers;
-use super::{
-    Disposition, IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL,
-};
+use super::settle::{release, settle, Held};
+use super::transaction::{KeyTransaction, Returned};
+use super::{IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL};
 use crate::extract::key_from_headers;
 use crate::problem::{types, Problem};
-use crate::replay::{acquired_or_respond, stored_response};
+use crate::replay::acquired_or_respond;
 
 /// The longest request target (path and query) kept as such in a key's scope; a longer one is
 /// kept as its SHA-256, within the key table's bound.
@@ -230,14 +223,34 @@ where
             return Err(store_failed(e));
         }
     }
-    // The handler runs in a task of its own, so that its panic reaches this task as an error
-    // instead of unwinding through it with the lease held. The lease kit renews the lease while
-    // it runs; if a renewal finds the lease taken over, or cannot vouch for it any more, the
-    // handler's task is aborted and awaited, so that nothing of it still runs when the key is
-    // released or answered by its new holder. Its answer, if any, is not delivered.
     let mut parts = scoped.parts;
     parts.extensions.insert(ClaimedKey::new(&lease, scoped.key));
     let request = Request::from_parts(parts, Body::from(scoped.bytes));
+    if layer.transactional {
+        in_transaction(&layer, inner, request, lease).await
+    } else {
+        under_lease(&layer, inner, request, lease).await
+    }
+}
+
+/// Runs the handler under the lease kit, and settles the key by its answer.
+///
+/// The handler runs in a task of its own, so that its panic reaches this task as an error
+/// instead of unwinding through it with the lease held. The lease kit renews the lease while it
+/// runs; if a renewal finds the lease taken over, or cannot vouch for it any more, the handler's
+/// task is aborted and awaited, so that nothing of it still runs when the key is released or
+/// answered by its new holder. Its answer, if any, is not delivered.
+async fn under_lease<S>(
+    layer: &IdempotencyLayer,
+    inner: S,
+    request: Request<Body>,
+    mut lease: Lease<OneStep>,
+) -> Result<Response, Response>
+where
+    S: tower::Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: std::fmt::Display + Send + 'static,
+{
     let mut handler = tokio::spawn(inner.oneshot(request));
     let watched = layer
         .store
@@ -247,68 +260,64 @@ where
         handler.abort();
         let _ = handler.await;
     }
-    let answer = match watched {
-        Ok(Ok(Ok(answer))) => answer,
-        Ok(Ok(Err(e))) => {
-            release(&layer.store, lease).await;
-            return Err(internal_response(&format!("the handler failed: {e}")));
-        }
-        Ok(Err(e)) => {
-            release(&layer.store, lease).await;
-            return Err(internal_response(&format!("the handler panicked: {e}")));
-        }
-        Err(idempotency::Error::LeaseLost { .. }) => return Err(lease_lost_response(&lease)),
+    match watched {
+        Ok(ran) => settle(layer, Held::Lease(lease), ran).await,
+        Err(idempotency::Error::LeaseLost { .. }) => Err(lease_lost_response(&lease)),
         Err(e) => {
+            release(&layer.store, lease).await;
+            Err(store_failed(e))
+        }
+    }
+}
+
+/// Runs the handler inside the key's own transaction (the transactional mode), and settles the
+/// key by its answer: the answer is stored in that transaction, with the handler's writes, or
+/// they are rolled back.
+///
+/// The transaction locks the key row from before the handler runs until it ends, so the lease
+/// is not renewed: a takeover's write waits for the lock anyway, and a renewal, from another
+/// connection, would wait for this transaction's own lock. The handler still runs in a task of
+/// its own, so that its panic is seen here, with the transaction in hand to roll back.
+async fn in_transaction<S>(
+    layer: &IdempotencyLayer,
+    inner: S,
+    mut request: Request<Body>,
+    lease: Lease<OneStep>,
+) -> Result<Response, Response>
+where
+    S: tower::Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: std::fmt::Display + Send + 'static,
+{
+    let phase = match layer.store.final_phase_owned(lease).await {
+        Ok(phase) => phase,
+        Err((idempotency::Error::LeaseLost { .. }, lease)) => {
+            return Err(lease_lost_response(&lease))
+        }
+        Err((e, lease)) => {
             release(&layer.store, lease).await;
             return Err(store_failed(e));
         }
     };
-    settle(&layer, lease, answer).await
-}
-
-/// Does with the key what the answer's disposition says, and gives the answer to deliver.
-async fn settle(
-    layer: &IdempotencyLayer,
-    mut lease: Lease<OneStep>,
-    answer: Response,
-) -> Result<Response, Response> {
-    let (answer_parts, answer_body) = answer.into_parts();
-    match (layer.disposition)(&answer_parts) {
-        Disposition::Store => {}
-        Disposition::Release => {
-            release(&layer.store, lease).await;
-            return Ok(Response::from_parts(answer_parts, answer_body));
+    let key_id = phase.lease().key_id();
+    let transaction = KeyTransaction::new(phase);
+    request.extensions_mut().insert(transaction.clone());
+    // Joined, the task has dropped the handler's future, and the clones it held with it.
+    let ran = tokio::spawn(inner.oneshot(request)).await;
+    match transaction.take_back() {
+        Returned::Alone(phase) => settle(layer, Held::Transaction(phase), ran).await,
+        Returned::Kept(phase) => {
+            Held::Transaction(phase).release(&layer.store).await;
+            Err(internal_response(&format!(
+                "the handler of key {key_id} kept its KeyTransaction past its return; its \
+                 writes were rolled back"
+            )))
         }
-        Disposition::Forget => {
-            forget(&layer.store, lease).await;
-            return Ok(Response::from_parts(answer_parts, answer_body));
-        }
+        Returned::Busy => Err(internal_response(&format!(
+            "the handler of key {key_id} still uses its KeyTransaction after its return; its \
+             writes roll back when it lets go, and the key waits for its lease to expire"
+        ))),
     }
-    let collected = match collect_up_to(answer_body, layer.max_stored_body).await {
-        Collected::Whole(bytes) => bytes,
-        Collected::TooLarge(resumed) => {
-            tracing::warn!(
-                key_id = lease.key_id(),
-                limit = layer.max_stored_body,
-                "answer too large to store; delivered, not stored, key released"
-            );
-            release(&layer.store, lease).await;
-            return Ok(Response::from_parts(answer_parts, Body::new(resumed)));
-        }
-        Collected::Broken(e) => {
-            // The answer cannot be delivered either: nothing to replay, the key goes back.
-            release(&layer.store, lease).await;
-            return Err(internal_response(&format!("the answer's body failed: {e}")));
-        }
-    };
-    let stored = StoredResponse {
-        status: answer_parts.status.as_u16(),
-        headers: kept_headers(&layer.stored_headers, &answer_parts.headers),
-        body: collected.to_vec(),
-    };
-    finish(&layer.store, &mut lease, &stored).await?;
-    // The first delivery is built from what was stored, so replays repeat exactly this.
-    Ok(stored_response(&stored))
 }
 
 /// The 409 of a request whose lease another request with the key took over: that one answers.
@@ -328,84 +337,8 @@ fn lease_lost_response(lease: &Lease<OneStep>) -> Response {
     .into_response()
 }
 
-async fn finish(
-    store: &Store,
-    lease: &mut Lease<OneStep>,
-    stored: &StoredResponse,
-) -> Result<(), Response> {
-    let phase = store.final_phase(lease).await.map_err(store_failed)?;
-    phase.finish(stored).await.map_err(store_failed)
-}
-
-/// An answer's body, read up to a limit.
-enum Collected {
-    /// All of it, within the limit.
-    Whole(Bytes),
-    /// Over the limit: what was read, and the rest, to deliver whole.
-    TooLarge(Resumed),
-    /// It failed mid-way.
-    Broken(axum::Error),
-}
-
-async fn collect_up_to(mut body: Body, limit: usize) -> Collected {
-    let mut read: VecDeque<http_body::Frame<Bytes>> = VecDeque::new();
-    let mut size = 0;
-    while let Some(frame) = body.frame().await {
-        let frame = match frame {
-            Ok(frame) => frame,
-            Err(e) => return Collected::Broken(e),
-        };
-        size += frame.data_ref().map_or(0, Bytes::len);
-        read.push_back(frame);
-        if size > limit {
-            return Collected::TooLarge(Resumed { read, rest: body });
-        }
-    }
-    let mut whole = Vec::with_capacity(size);
-    for frame in read {
-        if let Ok(data) = frame.into_data() {
-            whole.extend_from_slice(&data);
-        }
-    }
-    Collected::Whole(Bytes::from(whole))
-}
-
-async fn release(store: &Store, lease: Lease<OneStep>) {
-    let key_id = lease.key_id();
-    if let Err(e) = store.release(lease).await {
-        tracing::warn!(key_id, error = %e, "could not release the idempotency lease");
-    }
-}
-
-/// Deletes the key of an answer that leaves nothing to keep, so that the key may be used again
-/// with another payload; a key that rows of the application reference is released instead.
-async fn forget(store: &Store, lease: Lease<OneStep>) {
-    let key_id = lease.key_id();
-    match store.abandon_or_release(lease).await {
-        Ok(Abandoned::Deleted) => {}
-        // The handler wrote rows that reference its key, against `Forget`'s contract: the key
-        // keeps its row and payload, released, so that a retry runs the handler again at once.
-        Ok(Abandoned::Released) => tracing::warn!(
-            key_id,
-            "could not forget the idempotency key: rows of the application reference it;              released instead, with its payload"
-        ),
-        // Another request took the key over: it is that request's to settle.
-        Err(e @ idempotency::Error::LeaseLost { .. }) => {
-            tracing::warn!(key_id, error = %e, "could not forget the idempotency key");
-        }
-        // The database failed. The store took the lease with the failed write, so the key stays
-        // locked until its lease expires, and a retry with its payload then runs the handler
-        // again.
-        Err(e) => tracing::error!(
-            key_id,
-            error = %e,
-            "could not forget the idempotency key; it stays locked until its lease expires"
-        ),
-    }
-}
-
 /// A 500 that says nothing of its cause; the cause goes to the log.
-fn internal_response(cause: &str) -> Response {
+pub(super) fn internal_response(cause: &str) -> Response {
     tracing::error!(error = %cause, "idempotent request failed");
     Problem::new(
         StatusCode::INTERNAL_SERVER_ERROR,
@@ -416,7 +349,7 @@ fn internal_response(cause: &str) -> Response {
     .into_response()
 }
 
-fn store_failed(e: idempotency::Error) -> Response {
+pub(super) fn store_failed(e: idempotency::Error) -> Response {
     tracing::error!(error = %e, "idempotency store failed");
     Problem::new(
         StatusCode::INTERNAL_SERVER_ERROR,
