@@ -7,7 +7,7 @@
 //!   and the request's UUID to derive foreign keys from, as a [`ClaimedKey`]. In its
 //!   transactional mode ([`IdempotencyLayer::transactional`]) the handler writes through the
 //!   key's own transaction, a [`KeyTransaction`], and its writes commit with the stored answer
-//!   or not at all.
+//!   or not at all (`examples/deposits.rs` shows one).
 //! - [`RequiredKey`] extracts and validates `Idempotency-Key` (400 problem+json when missing or
 //!   malformed, before the handler writes anything).
 //! - [`acquired_or_respond`] turns a refused claim into its answer: the stored response replayed
