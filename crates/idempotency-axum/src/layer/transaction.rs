@@ -99,6 +99,9 @@ impl KeyTransaction {
 
     /// Locks the transaction's connection for the caller. Fails (500) only when the handler
     /// has returned already: the layer took the transaction back.
+    ///
+    /// One guard at a time: asking again while holding one waits for ever. Keep one guard for
+    /// the handler's statements, or drop each before the next.
     pub async fn conn(&self) -> Result<KeyConnection<'_>, Problem> {
         let phase = self.phase.lock().await;
         MutexGuard::try_map(phase, |phase| phase.as_mut().map(OwnedFinalPhase::conn))
