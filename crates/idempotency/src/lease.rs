@@ -89,6 +89,16 @@ impl Store {
     /// Like [`Store::call_under_lease`], but the call stays the caller's: on an error it is neither
     /// dropped nor polled further, so that the caller decides what becomes of it (abort a spawned
     /// task and wait for it to end, say, so that nothing of it runs once the key is released).
+    #[tracing::instrument(
+        name = "idempotency.call",
+        level = "debug",
+        skip_all,
+        fields(
+            key_id = lease.key_id(),
+            token = lease.token(),
+            recovery_point = lease.recovery_point().name()
+        )
+    )]
     pub async fn watch_under_lease<P, F>(
         &self,
         lease: &mut Lease<P>,

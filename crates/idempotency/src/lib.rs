@@ -51,6 +51,7 @@ mod error;
 mod fingerprint;
 mod key;
 pub mod lease;
+pub mod observe;
 mod response;
 pub mod runner;
 mod store;
@@ -61,6 +62,7 @@ pub use error::Error;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
 pub use lease::LEASE_LOG;
+pub use observe::{ClaimOutcome, Observer};
 pub use response::StoredResponse;
 pub use runner::{Completer, Pass, Reaper, Resumed};
 pub use store::{

@@ -10,13 +10,13 @@
 //! | `http_connections_refused_total` | counter | connections answered 503 and closed: too many open |
 //! | `idempotency_claims_total` | counter | `outcome`: acquired, replayed, mismatch, in_flight |
 //! | `idempotency_claim_duration_seconds` | histogram | |
-//! | `booking_phase_duration_seconds` | histogram | `phase`: the recovery point a phase commits (ride_created, charge_generation, charge_pending, finished) |
+//! | `booking_phase_duration_seconds` | histogram | `phase`: the recovery point a phase commits (ride_created, charge_pending, finished), as the key store reports it |
 //! | `gateway_call_duration_seconds` | histogram | `call`: create_charge, list_charges, retrieve_charge |
 //! | `gateway_charges_total` | counter | `outcome`: charged, declined, unavailable, refused, misconfigured, pending, stored_error |
 //! | `gateway_reconciliations_total` | counter | `outcome`: adopted, none_found |
 //! | `payments_refused_total` | counter | |
 //! | `idempotency_leases_lost_total` | counter | |
-//! | `completer_keys_total` | counter | `outcome`: claimed, finished, retried, lost, undecodable |
+//! | `completer_keys_total` | counter | `outcome`: claimed, finished, retried, lost, undecodable, panicked |
 //! | `outbox_receipts_delivered_total`, `outbox_jobs_failed_total`, `reaper_keys_deleted_total` | counter | |
 //! | `idempotency_keys_unfinished` | gauge | read from the database at scrape time, true across every process |
 //! | `db_pool_connections` | gauge | `state`: in_use, idle (this process's pool, at scrape time) |
@@ -38,20 +38,15 @@ use prometheus_client::registry::{Registry, Unit};
 /// The media type of the text exposition format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// How a claim ended.
-#[derive(Debug, Clone, Copy)]
-pub enum ClaimOutcome {
-    /// The request got the lease.
-    Acquired,
-    /// A finished key's stored response was replayed.
-    Replayed,
-    /// The key was reused with another payload (422).
-    Mismatch,
-    /// Another request held the lease (409).
-    InFlight,
-}
+/// How a claim ended: the library's own outcomes, which the store reports.
+pub use idempotency::ClaimOutcome;
 
-const CLAIM_OUTCOMES: [&str; 4] = ["acquired", "replayed", "mismatch", "in_flight"];
+const CLAIM_OUTCOMES: [&str; 4] = [
+    ClaimOutcome::Acquired.name(),
+    ClaimOutcome::Replayed.name(),
+    ClaimOutcome::Mismatch.name(),
+    ClaimOutcome::InFlight.name(),
+];
 
 /// How a gateway charge call ended.
 #[derive(Debug, Clone, Copy)]
@@ -428,7 +423,7 @@ impl Metrics {
 
     /// Counts one claim and how long it took.
     pub fn claim(&self, outcome: ClaimOutcome, took: Duration) {
-        let outcome = CLAIM_OUTCOMES[outcome as usize];
+        let outcome = outcome.name();
         self.0.claims.get_or_create(&OutcomeLabel { outcome }).inc();
         self.0.claim_duration.observe(took.as_secs_f64());
     }
@@ -546,6 +541,18 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut out, &self.0.registry)
             .expect("encoding into a String");
         out
+    }
+}
+
+/// The key store reports its claims and committed phases here
+/// ([`idempotency::Store::with_observer`]): the service times none of them by hand.
+impl idempotency::Observer for Metrics {
+    fn claimed(&self, _route: &str, outcome: ClaimOutcome, took: Duration) {
+        self.claim(outcome, took);
+    }
+
+    fn phase_committed(&self, point: &'static str, took: Duration) {
+        self.phase(point, took);
     }
 }
 

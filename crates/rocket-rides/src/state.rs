@@ -63,8 +63,10 @@ impl AppState {
         lease: &LeaseArgs,
     ) -> Result<Self, StartError> {
         crate::config::validate(gateway, lease).map_err(StartError::Settings)?;
+        let metrics = Metrics::default();
         let store = Store::new(pool.clone(), clock, lease.lease_ttl)?
-            .with_heartbeat(lease.lease_heartbeat)?;
+            .with_heartbeat(lease.lease_heartbeat)?
+            .with_observer(Arc::new(metrics.clone()));
         let stripe = gateway.client()?;
         Ok(Self {
             pool,
@@ -75,7 +77,7 @@ impl AppState {
             giving_up: Signal::never(),
             http: HttpArgs::default(),
             tasks: TaskTracker::new(),
-            metrics: Metrics::default(),
+            metrics,
             failpoints: Failpoints::from_env().map_err(StartError::Settings)?,
         })
     }

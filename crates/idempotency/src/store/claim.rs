@@ -2,7 +2,7 @@
 //! finished longer ago than the store's retention (expired: replaced by a new row); alone, or
 //! merged with the request's first phase.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::postgres::PgRow;
 use sqlx::types::Json;
@@ -14,6 +14,7 @@ use super::model::{
     lease_from_row, stored_response, Claim, Lease, NewRequest, RecoveryPoint, Store,
 };
 use super::phase::finish_key;
+use crate::observe::{ClaimOutcome, Observed};
 use crate::{Error, StoredResponse};
 
 /// How often the claim starts over when the row changed under it (inserted by a concurrent
@@ -89,7 +90,26 @@ impl Store {
     /// request UUID, token 1) as for a key never seen. A row that references the old one under
     /// a foreign key that refuses the delete makes the claim fail ([`Error::Database`]) and
     /// changes nothing. Unfinished keys never expire.
+    #[tracing::instrument(
+        name = "idempotency.claim",
+        level = "debug",
+        skip_all,
+        fields(user_id = req.user_id, method = req.method, route = req.route)
+    )]
     pub async fn claim<P: RecoveryPoint>(&self, req: NewRequest<'_>) -> Result<Claim<P>, Error> {
+        let started = Instant::now();
+        let claimed = self.claim_unobserved(req).await;
+        if let Ok(claim) = &claimed {
+            let outcome = ClaimOutcome::of_claim(claim);
+            self.observer.claimed(req.route, outcome, started.elapsed());
+        }
+        claimed
+    }
+
+    async fn claim_unobserved<P: RecoveryPoint>(
+        &self,
+        req: NewRequest<'_>,
+    ) -> Result<Claim<P>, Error> {
         for _ in 0..CLAIM_ROUNDS {
             match self.lookup(&req, &self.pool).await? {
                 Found::Refused(refusal) => return Ok(refusal),
@@ -151,7 +171,27 @@ impl Store {
     ///
     /// An expired key (see [`Store::claim`]) is [`Begun::New`] too: the transaction deletes its
     /// old row before it inserts the new one, and a concurrent claimer waits on that delete.
+    #[tracing::instrument(
+        name = "idempotency.claim",
+        level = "debug",
+        skip_all,
+        fields(user_id = req.user_id, method = req.method, route = req.route)
+    )]
     pub async fn begin<P: RecoveryPoint>(
+        &self,
+        req: NewRequest<'_>,
+        first: P,
+    ) -> Result<Begun<P>, Error> {
+        let started = Instant::now();
+        let begun = self.begin_unobserved(req, first).await;
+        if let Ok(begun) = &begun {
+            let outcome = ClaimOutcome::of_begun(begun);
+            self.observer.claimed(req.route, outcome, started.elapsed());
+        }
+        begun
+    }
+
+    async fn begin_unobserved<P: RecoveryPoint>(
         &self,
         req: NewRequest<'_>,
         first: P,
@@ -209,7 +249,27 @@ impl Store {
     /// `lock_timeout` on the connections to bound that wait: when it runs out, the claim
     /// answers [`Claim::InFlight`]. An expired key (see [`Store::claim`]) is deleted and
     /// inserted again in the same transaction, and answered [`Begun::New`].
+    #[tracing::instrument(
+        name = "idempotency.claim",
+        level = "debug",
+        skip_all,
+        fields(user_id = req.user_id, method = req.method, route = req.route)
+    )]
     pub async fn begin_optimistic<P: RecoveryPoint>(
+        &self,
+        req: NewRequest<'_>,
+        first: P,
+    ) -> Result<Begun<P>, Error> {
+        let started = Instant::now();
+        let begun = self.begin_optimistic_unobserved(req, first).await;
+        if let Ok(begun) = &begun {
+            let outcome = ClaimOutcome::of_begun(begun);
+            self.observer.claimed(req.route, outcome, started.elapsed());
+        }
+        begun
+    }
+
+    async fn begin_optimistic_unobserved<P: RecoveryPoint>(
         &self,
         req: NewRequest<'_>,
         first: P,
@@ -593,6 +653,8 @@ pub struct FirstPhase<P: RecoveryPoint> {
     lease: Lease<P>,
     tracked: bool,
     now: Option<OffsetDateTime>,
+    opened: Instant,
+    observer: Observed,
 }
 
 impl<P: RecoveryPoint> FirstPhase<P> {
@@ -607,6 +669,8 @@ impl<P: RecoveryPoint> FirstPhase<P> {
             lease,
             tracked,
             now: store.now(),
+            opened: Instant::now(),
+            observer: store.observer.clone(),
         }
     }
 
@@ -642,6 +706,8 @@ impl<P: RecoveryPoint> FirstPhase<P> {
             .map_err(Error::db(context()))?;
         }
         self.tx.commit().await.map_err(Error::db(context()))?;
+        let point = self.lease.recovery_point.name();
+        self.observer.phase_committed(point, self.opened.elapsed());
         Ok(self.lease)
     }
 
@@ -653,6 +719,9 @@ impl<P: RecoveryPoint> FirstPhase<P> {
         self.tx
             .commit()
             .await
-            .map_err(Error::db(format!("finish key {key_id}")))
+            .map_err(Error::db(format!("finish key {key_id}")))?;
+        self.observer
+            .phase_committed(P::FINISHED.name(), self.opened.elapsed());
+        Ok(())
     }
 }

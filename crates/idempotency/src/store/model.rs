@@ -11,6 +11,7 @@ use sqlx::Row;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use crate::observe::{Observed, Observer};
 use crate::{Clock, Error, Fingerprint, IdempotencyKey, StoredResponse};
 
 /// The lease time-to-live when none is configured.
@@ -178,6 +179,7 @@ pub struct Store {
     pub(super) clock: Arc<dyn Clock>,
     pub(super) lease_ttl: Duration,
     pub(crate) heartbeat: Duration,
+    pub(crate) observer: Observed,
     /// How long a finished key answers for its request; `None`: for as long as its row exists.
     pub(super) retention: Option<Duration>,
 }
@@ -221,6 +223,7 @@ impl Store {
             clock,
             lease_ttl,
             heartbeat: lease_ttl / 3,
+            observer: Observed::none(),
             retention: None,
         })
     }
@@ -279,6 +282,13 @@ impl Store {
     /// The configured lease TTL.
     pub fn lease_ttl(&self) -> Duration {
         self.lease_ttl
+    }
+
+    /// Reports every claim and every committed phase to `observer`, for metrics (see
+    /// [`Observer`]).
+    pub fn with_observer(mut self, observer: Arc<dyn Observer>) -> Self {
+        self.observer = Observed::new(observer);
+        self
     }
 
     /// The injected time, for the application's own statements that compare against "now"

@@ -1,12 +1,15 @@
 //! Phases and the lease: the fenced update that opens every phase, the final phase that stores
 //! the response, renewal, release, and abandoning a key that must leave no trace.
 
+use std::time::Instant;
+
 use sqlx::types::Json;
 use sqlx::{PgConnection, Postgres, Row, Transaction};
 use time::OffsetDateTime;
 
 use super::model::{Lease, RecoveryPoint, Store};
 use crate::lease::{writing, LEASE_LOG};
+use crate::observe::Observed;
 use crate::{Error, StoredResponse};
 
 impl Store {
@@ -14,6 +17,12 @@ impl Store {
     ///
     /// The fenced update runs first; on [`Error::LeaseLost`] nothing was written. Write the
     /// phase's business rows through [`Phase::conn`], then [`Phase::commit`].
+    #[tracing::instrument(
+        name = "idempotency.phase",
+        level = "debug",
+        skip_all,
+        fields(key_id = lease.key_id, token = lease.token, to = to.name())
+    )]
     pub async fn phase<'l, P: RecoveryPoint>(
         &self,
         lease: &'l mut Lease<P>,
@@ -26,6 +35,7 @@ impl Store {
             });
         }
         writing(lease, "phase");
+        let opened = Instant::now();
         let fenced_at = self.lease_clock();
         let (tx, locked_until) = self.fence(lease, to.name()).await?;
         Ok(Phase {
@@ -34,6 +44,8 @@ impl Store {
             to,
             locked_until,
             fenced_at,
+            opened,
+            observer: self.observer.clone(),
         })
     }
 
@@ -41,11 +53,18 @@ impl Store {
     ///
     /// Its fence locks the key row (`SELECT … FOR UPDATE`) instead of updating it: the row is
     /// then written once, by [`FinalPhase::finish`], and that one update is HOT.
+    #[tracing::instrument(
+        name = "idempotency.final_phase",
+        level = "debug",
+        skip_all,
+        fields(key_id = lease.key_id, token = lease.token, from = lease.recovery_point.name())
+    )]
     pub async fn final_phase<'l, P: RecoveryPoint>(
         &self,
         lease: &'l mut Lease<P>,
     ) -> Result<FinalPhase<'l, P>, Error> {
         writing(lease, "final_phase");
+        let opened = Instant::now();
         let context = || format!("open the final phase of key {}", lease.key_id);
         let mut tx = self.pool.begin().await.map_err(Error::db(context()))?;
         let held: Option<i32> = sqlx::query_scalar(
@@ -71,6 +90,8 @@ impl Store {
             tx,
             lease,
             now: self.now(),
+            opened,
+            observer: self.observer.clone(),
         })
     }
 
@@ -86,8 +107,20 @@ impl Store {
     ) -> Result<OwnedFinalPhase<P>, (Error, Lease<P>)> {
         match self.final_phase(&mut lease).await {
             Ok(phase) => {
-                let FinalPhase { tx, now, .. } = phase;
-                Ok(OwnedFinalPhase { tx, lease, now })
+                let FinalPhase {
+                    tx,
+                    now,
+                    opened,
+                    observer,
+                    ..
+                } = phase;
+                Ok(OwnedFinalPhase {
+                    tx,
+                    lease,
+                    now,
+                    opened,
+                    observer,
+                })
             }
             Err(e) => Err((e, lease)),
         }
@@ -268,6 +301,8 @@ pub struct Phase<'l, P: RecoveryPoint> {
     lease: &'l mut Lease<P>,
     to: P,
     locked_until: OffsetDateTime,
+    opened: Instant,
+    observer: Observed,
     /// When the fence was asked for: the lease it extended runs from no later than this.
     fenced_at: std::time::Duration,
 }
@@ -293,6 +328,8 @@ impl<P: RecoveryPoint> Phase<'_, P> {
         self.lease.recovery_point = self.to;
         self.lease.locked_until = self.locked_until;
         self.lease.confirmed_at = self.fenced_at;
+        self.observer
+            .phase_committed(self.to.name(), self.opened.elapsed());
         Ok(())
     }
 }
@@ -304,6 +341,8 @@ pub struct FinalPhase<'l, P: RecoveryPoint> {
     tx: Transaction<'static, Postgres>,
     lease: &'l mut Lease<P>,
     now: Option<OffsetDateTime>,
+    opened: Instant,
+    observer: Observed,
 }
 
 impl<P: RecoveryPoint> FinalPhase<'_, P> {
@@ -326,6 +365,8 @@ impl<P: RecoveryPoint> FinalPhase<'_, P> {
             .await
             .map_err(Error::db(format!("finish key {key_id}")))?;
         self.lease.recovery_point = P::FINISHED;
+        self.observer
+            .phase_committed(P::FINISHED.name(), self.opened.elapsed());
         Ok(())
     }
 }
@@ -339,6 +380,8 @@ pub struct OwnedFinalPhase<P: RecoveryPoint> {
     tx: Transaction<'static, Postgres>,
     lease: Lease<P>,
     now: Option<OffsetDateTime>,
+    opened: Instant,
+    observer: Observed,
 }
 
 impl<P: RecoveryPoint> OwnedFinalPhase<P> {
@@ -360,7 +403,10 @@ impl<P: RecoveryPoint> OwnedFinalPhase<P> {
         self.tx
             .commit()
             .await
-            .map_err(Error::db(format!("finish key {key_id}")))
+            .map_err(Error::db(format!("finish key {key_id}")))?;
+        self.observer
+            .phase_committed(P::FINISHED.name(), self.opened.elapsed());
+        Ok(())
     }
 
     /// Undoes every write made through the phase and gives the lease back, unfinished, to

@@ -248,7 +248,6 @@ pub(super) async fn record_attempt(
 ) -> Result<(), BookingError> {
     let user_id = lease.user_id();
     let point = lease.recovery_point();
-    let started = Instant::now();
     let mut phase = state.store.phase(lease, point).await?;
     target.attempted_at = sqlx::query_scalar(
         "UPDATE rides SET charge_attempted_at = coalesce($3::timestamptz, now()),
@@ -263,6 +262,5 @@ pub(super) async fn record_attempt(
     .await
     .map_err(db("record the gateway call"))?;
     phase.commit().await?;
-    state.metrics.phase("charge_attempt", started.elapsed());
     Ok(())
 }

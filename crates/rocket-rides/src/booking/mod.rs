@@ -61,7 +61,7 @@
 //! | `outcomes.rs` | the final phases (paid, pending, declined, refused), their responses |
 //! | `rows.rs` | the ride, charge, receipt and audit statements, shared with `POST /bench/rides` |
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use idempotency::{FirstPhase, Lease, RecoveryPoint, StoredResponse};
 
@@ -211,7 +211,6 @@ pub async fn create_ride(
     customer: &str,
 ) -> Result<(Lease<RidePoint>, ChargeTarget), BookingError> {
     let (user_id, key_id) = (first.lease().user_id(), first.lease().key_id());
-    let started = Instant::now();
     let (lease, (ride_id, first_attempt_at)) = if state.failpoints.split_first_phase() {
         // The chaos harness's negative control: the key's recovery point and its ride in two
         // transactions, so that a failure between them leaves a key naming no ride.
@@ -223,7 +222,6 @@ pub async fn create_ride(
         let ride = insert_ride(first.conn(), state, user_id, Some(key_id), request).await?;
         (first.commit().await?, ride)
     };
-    state.metrics.phase("ride_created", started.elapsed());
     crash_point(state, crate::failpoints::AFTER_RIDE_CREATED)?;
     let target = ChargeTarget {
         ride_id,
@@ -289,12 +287,10 @@ async fn resume_started(
         BookingError::Internal(format!("key {} has unreadable params: {e}", lease.key_id()))
     })?;
     let user_id = lease.user_id();
-    let started = Instant::now();
     let mut phase = state.store.phase(lease, RidePoint::RideCreated).await?;
     let key_id = phase.key_id();
     insert_ride(phase.conn(), state, user_id, Some(key_id), &request).await?;
     phase.commit().await?;
-    state.metrics.phase("ride_created", started.elapsed());
     crash_point(state, crate::failpoints::AFTER_RIDE_CREATED)?;
     Ok(Step::Advanced)
 }

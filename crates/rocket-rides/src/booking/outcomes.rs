@@ -88,13 +88,11 @@ async fn paid(
     found: Found,
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
-    let started = Instant::now();
     let mut phase = state.store.final_phase(lease).await?;
     let adopted = found == Found::Adopted;
     let ride = charge_paid(phase.conn(), user_id, ride_id, &charge.id, adopted).await?;
     let response = created(&ride)?;
     phase.finish(&response).await?;
-    state.metrics.phase("finished", started.elapsed());
     Ok(Step::Respond(response))
 }
 
@@ -107,7 +105,6 @@ async fn record_pending(
     charge: &Charge,
 ) -> Result<(), BookingError> {
     let user_id = lease.user_id();
-    let started = Instant::now();
     let mut phase = state.store.phase(lease, RidePoint::ChargePending).await?;
     sqlx::query(
         "UPDATE rides SET charge_id = $3, status = 'payment_pending', updated_at = now()
@@ -128,7 +125,6 @@ async fn record_pending(
     )
     .await?;
     phase.commit().await?;
-    state.metrics.phase("charge_pending", started.elapsed());
     Ok(())
 }
 
@@ -203,7 +199,6 @@ pub(super) async fn declined(
     message: &str,
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
-    let started = Instant::now();
     let mut phase = state.store.final_phase(lease).await?;
     // A charge recorded pending that then failed is not the ride's charge: it moved no money.
     sqlx::query(
@@ -233,7 +228,6 @@ pub(super) async fn declined(
     .with_extension("decline_code", code.into());
     let response = problem_response(&problem);
     phase.finish(&response).await?;
-    state.metrics.phase("finished", started.elapsed());
     Ok(Step::Respond(response))
 }
 
@@ -278,7 +272,6 @@ pub(super) async fn refused(
         "the gateway refused the charge for good"
     );
     let user_id = lease.user_id();
-    let started = Instant::now();
     let mut phase = state.store.final_phase(lease).await?;
     sqlx::query(
         "UPDATE rides SET status = 'failed', charge_doubt = NULL, charge_refusal = NULL,
@@ -311,7 +304,6 @@ pub(super) async fn refused(
     .with_extension("gateway_error", gateway_error);
     let response = problem_response(&problem);
     phase.finish(&response).await?;
-    state.metrics.phase("finished", started.elapsed());
     state.metrics.payment_refused();
     Ok(Step::Respond(response))
 }
@@ -324,7 +316,6 @@ pub(super) async fn finish_recorded(
 ) -> Result<Step, BookingError> {
     let user_id = lease.user_id();
     let key_id = lease.key_id();
-    let started = Instant::now();
     let mut phase = state.store.final_phase(lease).await?;
     let ride = RideView::by_key(&mut *phase.conn(), user_id, key_id)
         .await
@@ -333,7 +324,6 @@ pub(super) async fn finish_recorded(
     stage_receipt(phase.conn(), user_id, ride.ride_id).await?;
     let response = created(&ride)?;
     phase.finish(&response).await?;
-    state.metrics.phase("finished", started.elapsed());
     Ok(Step::Respond(response))
 }
 

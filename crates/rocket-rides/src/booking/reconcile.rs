@@ -188,7 +188,6 @@ pub(super) async fn keep_doubt(
     );
     let user_id = lease.user_id();
     let point = lease.recovery_point();
-    let started = Instant::now();
     let mut phase = state.store.phase(lease, point).await?;
     sqlx::query(
         "UPDATE rides SET charge_doubt = $3, charge_refusal = $4, updated_at = now()
@@ -210,7 +209,6 @@ pub(super) async fn keep_doubt(
     )
     .await?;
     phase.commit().await?;
-    state.metrics.phase("charge_doubt", started.elapsed());
     target.doubt = Kept(Some(doubt));
     target.refusal = Some(Json(refusal));
     Ok(())
@@ -307,7 +305,6 @@ async fn next_generation(
     let user_id = lease.user_id();
     let now = state.store.now();
     let point = lease.recovery_point();
-    let started = Instant::now();
     let mut phase = state.store.phase(lease, point).await?;
     let (generation, generation_at): (i32, OffsetDateTime) = sqlx::query_as(
         "UPDATE rides SET charge_generation = charge_generation + 1,
@@ -333,7 +330,6 @@ async fn next_generation(
     )
     .await?;
     phase.commit().await?;
-    state.metrics.phase("charge_generation", started.elapsed());
     tracing::warn!(
         ride_id = target.ride_id,
         generation,

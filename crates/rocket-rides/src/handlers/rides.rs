@@ -6,14 +6,13 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Uri};
-use idempotency::{Begun, Claim, Fingerprint, Lease, NewRequest};
+use idempotency::{Begun, Fingerprint, Lease, NewRequest};
 use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
 use serde_json::json;
 use tracing::Instrument;
 
 use crate::auth::AuthUser;
 use crate::booking::{self, BookingError, RidePoint};
-use crate::metrics::ClaimOutcome;
 use crate::problem::ApiError;
 use crate::problem::ProblemDocument as Problem;
 use crate::problem::{IDENTITY_ONLY_DETAIL, JSON_ONLY_DETAIL};
@@ -71,7 +70,6 @@ pub async fn create(
     let task = state.clone().tasks.spawn(
         async move {
             let fingerprint = Fingerprint::of_json("POST", RIDES_ROUTE, &json);
-            let started = std::time::Instant::now();
             // A replay, a mismatch or a key in flight is answered from one read. A new key is
             // inserted in the transaction that creates its ride.
             let begun = state
@@ -88,15 +86,6 @@ pub async fn create(
                     RidePoint::RideCreated,
                 )
                 .await?;
-            state.metrics.claim(
-                match &begun {
-                    Begun::New(_) | Begun::Existing(Claim::Acquired(_)) => ClaimOutcome::Acquired,
-                    Begun::Existing(Claim::Replay(_)) => ClaimOutcome::Replayed,
-                    Begun::Existing(Claim::Mismatch) => ClaimOutcome::Mismatch,
-                    Begun::Existing(Claim::InFlight { .. }) => ClaimOutcome::InFlight,
-                },
-                started.elapsed(),
-            );
             match begun {
                 Begun::New(first) => {
                     let (lease, target) =
