@@ -37,13 +37,15 @@ pub enum Disposition {
 impl Disposition {
     /// The default disposition of an answer with `status`:
     ///
-    /// - 400 and 422, a handler's own validation refusals: [`Disposition::Forget`], as Stripe
-    ///   keeps nothing of a request that failed validation;
+    /// - 400, 413, 415 and 422, refusals of the request's own shape (a handler's validation, or
+    ///   an axum extractor's rejection of a body too large or of the wrong type):
+    ///   [`Disposition::Forget`], as Stripe keeps nothing of a request that failed validation,
+    ///   so that the corrected request may use the key;
     /// - 5xx, and 408, 409, 425 and 429, which invite a retry: [`Disposition::Release`];
     /// - anything else (2xx, 3xx, the other 4xx): [`Disposition::Store`].
     pub fn for_status(status: StatusCode) -> Self {
         match status.as_u16() {
-            400 | 422 => Self::Forget,
+            400 | 413 | 415 | 422 => Self::Forget,
             408 | 409 | 425 | 429 => Self::Release,
             _ if status.is_server_error() => Self::Release,
             _ => Self::Store,
@@ -66,6 +68,8 @@ mod tests {
             (404, Disposition::Store),
             (408, Disposition::Release),
             (409, Disposition::Release),
+            (413, Disposition::Forget),
+            (415, Disposition::Forget),
             (422, Disposition::Forget),
             (425, Disposition::Release),
             (429, Disposition::Release),

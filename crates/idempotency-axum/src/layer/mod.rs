@@ -20,7 +20,7 @@
 //!   429): later requests with the key get it byte for byte, with `Idempotent-Replayed: true`;
 //! - **an answer that invites a retry is not** (5xx, 408, 409, 425, 429): the key's lease is
 //!   released, and a retry with the key and its payload runs the handler again;
-//! - **a validation refusal forgets the key** (400, 422), as Stripe keeps nothing of a request
+//! - **a validation refusal forgets the key** (400, 413, 415, 422), as Stripe keeps nothing of a request
 //!   that failed validation: the key's row is deleted, and a corrected payload may use the key.
 //!   The delete is fenced by the lease ([`Store::abandon_or_release`]). A handler that wrote rows
 //!   referencing its key before it refused (against [`Disposition::Forget`]'s contract) keeps
@@ -91,7 +91,7 @@
 //!   kept; the key then waits for its lease to expire (the failed commit took the lease with
 //!   it), and a retry runs the handler anew.
 //! - **An answer that is not stored undoes the handler's writes**: a 5xx, 408, 409, 425 or 429
-//!   (released) and a 400 or 422 (forgotten) roll them back, as do a panic, a handler error, an
+//!   (released) and a 400, 413, 415 or 422 (forgotten) roll them back, as do a panic, a handler error, an
 //!   answer whose body fails and an answer too large to store (these answer 500: a success
 //!   whose writes were undone would be a lie). A handler that must keep a write with such an
 //!   answer (an audit row of a refusal) stores that answer instead
@@ -213,7 +213,7 @@ impl IdempotencyLayer {
     /// that commits a deposit and then panics, or whose process dies before its answer is
     /// stored, leaves no deposit behind, and the retry makes it once.
     ///
-    /// An answer that is not stored (5xx, 409, 400, 422 by default) undoes the handler's
+    /// An answer that is not stored (5xx, 409, 400, 413, 415, 422 by default) undoes the handler's
     /// writes. The handler must make no foreign call and should be short: see [the transactional
     /// mode](self#the-transactional-mode) for what it gives and what it asks.
     ///
