@@ -81,13 +81,14 @@ async fn create_schema(options: &PgConnectOptions) -> Result<(), Error> {
 
 /// Applies the idempotency crate's migrations, then fakestripe's, in the pool's schema.
 ///
-/// Both sets share sqlx's bookkeeping table; each ignores the other's entries. The library's
-/// versions sort first, so `charges` can reference `idempotency_keys`.
+/// The crate keeps its own bookkeeping (`idempotency_schema_migrations`), so sqlx's table holds
+/// only fakestripe's. The crate's run first, so that `charges` can reference `idempotency_keys`.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
     idempotency::migrate(pool).await?;
-    let mut migrator = sqlx::migrate!("./migrations");
-    migrator.set_ignore_missing(true);
-    migrator.run(pool).await.map_err(Error::Migrate)
+    sqlx::migrate!("./migrations")
+        .run(pool)
+        .await
+        .map_err(Error::Migrate)
 }
 
 /// The account of a secret key, created on first use.

@@ -42,6 +42,11 @@ pub enum Error {
         what: &'static str,
     },
 
+    /// The crate's migrations and the database disagree (an applied migration whose contents
+    /// changed, one that failed earlier).
+    #[error("{0}")]
+    Migration(String),
+
     /// A setting is out of its valid range.
     #[error("invalid idempotency setting: {0}")]
     InvalidConfig(String),

@@ -51,6 +51,7 @@ mod error;
 mod fingerprint;
 mod key;
 pub mod lease;
+pub mod migrate;
 pub mod observe;
 mod response;
 pub mod runner;
@@ -62,6 +63,7 @@ pub use error::Error;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
 pub use lease::LEASE_LOG;
+pub use migrate::{migrate, MIGRATIONS_TABLE};
 pub use observe::{ClaimOutcome, Observer};
 pub use response::StoredResponse;
 pub use runner::{Completer, Pass, Reaper, Resumed};
@@ -72,19 +74,3 @@ pub use store::{
 /// The time type of [`ManualClock::new`], [`Clock::now`] and the store's timestamps.
 pub use time::OffsetDateTime;
 pub use uuid::Uuid;
-
-/// Creates or updates the crate's table in the database behind `pool`.
-///
-/// The crate's migrations share sqlx's bookkeeping table with the application's own, and the
-/// crate's versions sort first, so an application can run this and then its own migrations,
-/// whose tables may reference `idempotency_keys(id)`. Each set must ignore the other's entries:
-/// this one does, and the application's migrator needs `set_ignore_missing(true)` too, or sqlx
-/// reports the crate's entries as "previously applied but missing".
-pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), Error> {
-    let mut migrator = sqlx::migrate!("./migrations");
-    migrator.set_ignore_missing(true);
-    migrator.run(pool).await.map_err(|e| Error::Database {
-        context: "apply the idempotency migrations".to_owned(),
-        source: e.into(),
-    })
-}

@@ -61,11 +61,10 @@ pub enum MigrateError {
 
 /// Applies the idempotency crate's migrations, then the service's own.
 pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
+    // The crate keeps its own bookkeeping, and moves the entries that earlier versions left in
+    // sqlx's table to it: the service's migrator sees only the service's migrations.
     idempotency::migrate(pool).await?;
-    let mut migrator = sqlx::migrate!("./migrations");
-    // The idempotency crate's migrations share sqlx's bookkeeping table.
-    migrator.set_ignore_missing(true);
-    migrator.run(pool).await?;
+    sqlx::migrate!("./migrations").run(pool).await?;
     Ok(())
 }
 

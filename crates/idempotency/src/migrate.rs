@@ -1,0 +1,191 @@
+//! The crate's own migrations, with a bookkeeping table of their own.
+//!
+//! The crate's tables are created and upgraded by [`migrate`], which records what it applied in
+//! `idempotency_schema_migrations`, not in sqlx's `_sqlx_migrations`: an application's own
+//! migrator, sqlx-cli included, sees only the application's migrations and needs no
+//! `set_ignore_missing` or `--ignore-missing`.
+//!
+//! Earlier versions of this crate recorded their migrations in `_sqlx_migrations`. [`migrate`]
+//! adopts those entries (their checksums must match the crate's files), moves them to its own
+//! table, and deletes them from sqlx's: a database upgrades in place, and its tables are not
+//! touched again. (Do not run an earlier version's `migrate` against it after that: it would
+//! find its entries gone and try to create the tables anew, and fail.)
+//!
+//! The tables (the bookkeeping table too) are created in the first schema of the connection's
+//! `search_path`: to keep them in a schema of their own, connect with that schema first
+//! (`PgConnectOptions::options([("search_path", "payments")])`), as fakestripe does. Every
+//! statement of the crate names its tables unqualified, so the same search path must hold for
+//! the pool the [`crate::Store`] uses.
+//!
+//! Several processes may migrate at once: a transaction-level advisory lock makes them take
+//! turns, and all of a run's migrations commit with their bookkeeping rows in one transaction.
+
+use sqlx::migrate::{Migration, MigrationType};
+use sqlx::postgres::{PgPool, Postgres};
+use sqlx::{Executor, Row, Transaction};
+
+use crate::Error;
+
+/// The crate's bookkeeping table.
+pub const MIGRATIONS_TABLE: &str = "idempotency_schema_migrations";
+
+/// The advisory lock migrators take turns on: "idempote" in ASCII.
+const LOCK: i64 = 0x6964_656d_706f_7465;
+
+/// Creates or upgrades the crate's tables in the database behind `pool`. Run it before the
+/// application's own migrations, whose tables may reference `idempotency_keys (user_id, id)`.
+/// Migrations already applied are checked against the crate's files, and refused if they differ.
+///
+/// Everything happens in one transaction on one connection, behind a transaction-level advisory
+/// lock: all of it commits, or nothing does, and concurrent migrators take turns.
+pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    let migrator = sqlx::migrate!("./migrations");
+    let ours: Vec<&Migration> = migrator
+        .iter()
+        .filter(|m| !matches!(m.migration_type, MigrationType::ReversibleDown))
+        .collect();
+    if let Some(m) = ours.iter().find(|m| m.no_tx) {
+        // None of the crate's migrations needs to run outside a transaction; say so if one ever
+        // asks, rather than apply it half-guarded.
+        return Err(Error::Migration(format!(
+            "idempotency migration {} asks to run outside a transaction, which migrate does not do",
+            m.version
+        )));
+    }
+    let context = "apply the idempotency migrations";
+    let mut tx = pool.begin().await.map_err(Error::db(context))?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(LOCK)
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::db("wait for other idempotency migrators"))?;
+    sqlx::query(
+        r#"
+        CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
+            version     BIGINT      PRIMARY KEY,
+            description TEXT        NOT NULL,
+            checksum    BYTEA       NOT NULL,
+            applied_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+            -- Recorded by an earlier version of the crate in _sqlx_migrations, and moved here.
+            adopted     BOOLEAN     NOT NULL DEFAULT false
+        )
+        "#,
+    )
+    .execute(&mut *tx)
+    .await
+    .map_err(Error::db("create the idempotency migrations table"))?;
+    adopt(&mut tx, &ours).await?;
+    let recorded = sqlx::query("SELECT version, checksum FROM idempotency_schema_migrations")
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(Error::db("read the idempotency migrations table"))?;
+    for migration in ours {
+        let done = recorded
+            .iter()
+            .find(|row| row.get::<i64, _>("version") == migration.version);
+        match done {
+            Some(row) if row.get::<Vec<u8>, _>("checksum") == *migration.checksum => {}
+            Some(_) => return Err(changed(migration)),
+            None => run(&mut tx, migration).await?,
+        }
+    }
+    tx.commit().await.map_err(Error::db(context))
+}
+
+/// Moves the crate's entries of `_sqlx_migrations`, as earlier versions recorded them, to its
+/// own table.
+async fn adopt(tx: &mut Transaction<'static, Postgres>, ours: &[&Migration]) -> Result<(), Error> {
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(Error::db("look for sqlx's migrations table"))?;
+    if !exists {
+        return Ok(());
+    }
+    let versions: Vec<i64> = ours.iter().map(|m| m.version).collect();
+    let entries = sqlx::query(
+        "SELECT version, success, checksum FROM _sqlx_migrations WHERE version = ANY($1) FOR UPDATE",
+    )
+    .bind(&versions)
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(Error::db("read sqlx's entries of the idempotency migrations"))?;
+    for entry in &entries {
+        let version: i64 = entry.get("version");
+        let Some(migration) = ours.iter().find(|m| m.version == version) else {
+            continue;
+        };
+        if !entry.get::<bool, _>("success") {
+            return Err(Error::Migration(format!(
+                "idempotency migration {version} ({}) failed earlier under sqlx's bookkeeping \
+                 (_sqlx_migrations.success = false): repair it by hand, then delete that entry",
+                migration.description
+            )));
+        }
+        if entry.get::<Vec<u8>, _>("checksum") != *migration.checksum {
+            return Err(changed(migration));
+        }
+        sqlx::query(
+            "INSERT INTO idempotency_schema_migrations (version, description, checksum, adopted)
+             VALUES ($1, $2, $3, true) ON CONFLICT (version) DO NOTHING",
+        )
+        .bind(version)
+        .bind(migration.description.to_string())
+        .bind(migration.checksum.to_vec())
+        .execute(&mut **tx)
+        .await
+        .map_err(Error::db(format!("adopt idempotency migration {version}")))?;
+    }
+    sqlx::query("DELETE FROM _sqlx_migrations WHERE version = ANY($1)")
+        .bind(&versions)
+        .execute(&mut **tx)
+        .await
+        .map_err(Error::db(
+            "remove the idempotency migrations from sqlx's table",
+        ))?;
+    if !entries.is_empty() {
+        tracing::info!(
+            adopted = entries.len(),
+            "idempotency migrations moved from _sqlx_migrations to {MIGRATIONS_TABLE}"
+        );
+    }
+    Ok(())
+}
+
+/// Applies one migration and records it, in the migrator's transaction.
+async fn run(tx: &mut Transaction<'static, Postgres>, migration: &Migration) -> Result<(), Error> {
+    let context = || {
+        format!(
+            "apply idempotency migration {} ({})",
+            migration.version, migration.description
+        )
+    };
+    (&mut **tx)
+        .execute(&*migration.sql)
+        .await
+        .map_err(Error::db(context()))?;
+    sqlx::query(
+        "INSERT INTO idempotency_schema_migrations (version, description, checksum)
+         VALUES ($1, $2, $3)",
+    )
+    .bind(migration.version)
+    .bind(migration.description.to_string())
+    .bind(migration.checksum.to_vec())
+    .execute(&mut **tx)
+    .await
+    .map_err(Error::db(context()))?;
+    tracing::info!(
+        version = migration.version,
+        description = %migration.description,
+        "applied idempotency migration"
+    );
+    Ok(())
+}
+
+fn changed(migration: &Migration) -> Error {
+    Error::Migration(format!(
+        "idempotency migration {} ({}) was applied from other contents than this version of the \
+         crate holds: the database and the crate disagree about the key table",
+        migration.version, migration.description
+    ))
+}
