@@ -83,7 +83,7 @@ async fn an_owned_final_phase_commits_its_writes_with_the_answer_from_another_ta
         "nothing is visible before the commit"
     );
     let answer = StoredResponse::json(201, &json!({"deposited": 500}), vec![]);
-    phase.finish(&answer).await.unwrap();
+    phase.finish(&answer).await.map_err(|(e, _)| e).unwrap();
     assert_eq!(deposits(&pool).await, 1);
     assert!(matches!(claim(&store, "deposit").await, Claim::Replay(r) if r == answer));
 }

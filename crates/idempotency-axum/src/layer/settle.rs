@@ -51,15 +51,29 @@ impl Held {
 
     /// Stores the answer and finishes the key; in the transactional mode, in the transaction of
     /// the handler's writes. If that fails, nothing of it is kept: a 500 to deliver instead, and
-    /// the key waits for its lease to expire.
+    /// the key is released for the retry (a release that finds the key finished after all, its
+    /// commit's answer lost, changes nothing).
     async fn finish(self, store: &Store, stored: &StoredResponse) -> Result<(), Response> {
-        match self {
+        let (error, lease) = match self {
             Self::Lease(mut lease) => {
-                let phase = store.final_phase(&mut lease).await.map_err(store_failed)?;
-                phase.finish(stored).await.map_err(store_failed)
+                let finished = match store.final_phase(&mut lease).await {
+                    Ok(phase) => phase.finish(stored).await,
+                    Err(e) => Err(e),
+                };
+                match finished {
+                    Ok(()) => return Ok(()),
+                    Err(e) => (e, lease),
+                }
             }
-            Self::Transaction(phase) => phase.finish(stored).await.map_err(store_failed),
+            Self::Transaction(phase) => match phase.finish(stored).await {
+                Ok(()) => return Ok(()),
+                Err(failed) => failed,
+            },
+        };
+        if !matches!(error, idempotency::Error::LeaseLost { .. }) {
+            release(store, lease).await;
         }
+        Err(store_failed(error))
     }
 }
 

@@ -397,16 +397,31 @@ impl<P: RecoveryPoint> OwnedFinalPhase<P> {
 
     /// Stores `response`, marks the key finished, releases the lease and commits, with every
     /// write made through [`OwnedFinalPhase::conn`].
-    pub async fn finish(mut self, response: &StoredResponse) -> Result<(), Error> {
-        finish_key(&mut self.tx, &self.lease, response, self.now).await?;
-        let key_id = self.lease.key_id;
-        self.tx
-            .commit()
-            .await
-            .map_err(Error::db(format!("finish key {key_id}")))?;
-        self.observer
-            .phase_committed(P::FINISHED.name(), self.opened.elapsed());
-        Ok(())
+    ///
+    /// On an error the lease comes back with it: nothing of the phase was kept (or, after a
+    /// commit whose answer was lost, everything was, and the key is finished), so release it
+    /// for the retry; a release of a key that did finish is refused as [`Error::LeaseLost`].
+    pub async fn finish(mut self, response: &StoredResponse) -> Result<(), (Error, Lease<P>)> {
+        if let Err(e) = finish_key(&mut self.tx, &self.lease, response, self.now).await {
+            return Err((e, self.roll_back().await));
+        }
+        let Self {
+            tx,
+            lease,
+            opened,
+            observer,
+            ..
+        } = self;
+        match tx.commit().await {
+            Ok(()) => {
+                observer.phase_committed(P::FINISHED.name(), opened.elapsed());
+                Ok(())
+            }
+            Err(e) => {
+                let key_id = lease.key_id;
+                Err((Error::db(format!("finish key {key_id}"))(e), lease))
+            }
+        }
     }
 
     /// Undoes every write made through the phase and gives the lease back, unfinished, to
