@@ -3,8 +3,9 @@
 //! backend and a client that hangs up; the default mode against a renewal stuck on an
 //! exhausted pool.
 //!
-//! Each test names the interleaving it forces and the safe outcome it expects. The ones marked
-//! `#[ignore = "bug: …"]` found a real bug and fail on the library as it is.
+//! Each test names the interleaving it forces and the safe outcome it expects. Some found real
+//! bugs when they were written (a renewal stuck on an exhausted pool ran
+//! a slow handler twice at once), fixed since; they stay as regression tests.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -341,7 +342,7 @@ async fn notify(State(effects): State<Arc<AtomicUsize>>, _claimed: ClaimedKey) -
 /// once. The library's `watch_under_lease` does not bound a renewal by the lease left (see the
 /// idempotency crate's `tests/adversary.rs` for the kit alone).
 #[sqlx::test(migrations = false)]
-#[ignore = "bug: a renewal stuck on an exhausted pool is not bounded by the lease, so the default mode runs a slow handler twice at once"]
+
 async fn a_renewal_stuck_on_an_exhausted_pool_runs_the_handler_twice_at_once(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     const TTL: Duration = Duration::from_secs(2);

@@ -14,6 +14,17 @@ pub enum Error {
         token: i64,
     },
 
+    /// A renewal of the lease did not answer before the lease would have run out, so that the
+    /// holder can no longer vouch for it: [`crate::Store::call_under_lease`] stops its call. The
+    /// lease may still be the holder's: release it, and a retry resumes.
+    #[error("lease on idempotency key {key_id} (token {token}) could not be renewed in time")]
+    LeaseUnconfirmed {
+        /// The key row.
+        key_id: i64,
+        /// The token the holder acquired.
+        token: i64,
+    },
+
     /// The row's recovery point is not one the application knows: its code and its data disagree.
     #[error("idempotency key {key_id} is at unknown recovery point {point:?}")]
     UnknownRecoveryPoint {

@@ -13,7 +13,10 @@
 //! 2. during the call, renews the lease every heartbeat;
 //! 3. stops at once when a renewal finds the lease taken over ([`Error::LeaseLost`]); a renewal
 //!    that fails for another reason (the database, for a moment) is tried again at the next beat
-//!    while the lease surely lasts past it, and only then stops the call with that error.
+//!    while the lease surely lasts past it, and only then stops the call with that error; a
+//!    renewal that does not answer before the lease would run out (a pool with no free
+//!    connection, a stalled network) stops the call with [`Error::LeaseUnconfirmed`], before the
+//!    lease ends.
 //!
 //! Every write the store makes under a lease (a phase, the final phase, a release, a guarded call)
 //! is logged on [`LEASE_LOG`] at debug level just before it is made, and every renewal that found
@@ -32,6 +35,10 @@ use crate::Error;
 /// `call`); every renewal that found the lease taken over, at warn level, with `key_id`, `token`
 /// and `lost_on_renewal = true`.
 pub const LEASE_LOG: &str = "idempotency::lease";
+
+/// The most of a lease left unused when a renewal does not answer in time: the caller's time to
+/// stop the call (a dropped future stops at once; an aborted task at its next await).
+const STOP_MARGIN: Duration = Duration::from_secs(1);
 
 /// Logs a write about to be made under `lease` (see [`LEASE_LOG`]).
 pub(crate) fn writing<P: RecoveryPoint>(lease: &Lease<P>, write: &'static str) {
@@ -116,11 +123,13 @@ impl Store {
         loop {
             tokio::select! {
                 outcome = &mut *call => return Ok(outcome),
-                _ = ticker.tick() => match self.renew(lease).await {
+                _ = ticker.tick() => match self.renew_in_time(lease).await {
                     Ok(()) => {
                         tracing::debug!(key_id = lease.key_id(), "lease renewed during the call");
                     }
-                    Err(e @ Error::LeaseLost { .. }) => return Err(e),
+                    Err(e @ (Error::LeaseLost { .. } | Error::LeaseUnconfirmed { .. })) => {
+                        return Err(e)
+                    }
                     Err(e) if self.lease_left(lease) > heartbeat => {
                         tracing::warn!(
                             key_id = lease.key_id(),
@@ -130,6 +139,31 @@ impl Store {
                     }
                     Err(e) => return Err(e),
                 },
+            }
+        }
+    }
+
+    /// Renews `lease` while a call runs under it, waiting for the answer no longer than the
+    /// lease surely lasts, less a margin in which the caller stops the call. A renewal held up (a
+    /// pool with no free connection, a stalled network) would otherwise let the lease run out
+    /// while the call goes on, and a new holder make it a second time at once.
+    async fn renew_in_time<P: RecoveryPoint>(&self, lease: &mut Lease<P>) -> Result<(), Error> {
+        let margin = (self.heartbeat / 2).min(STOP_MARGIN);
+        let within = self.lease_left(lease).saturating_sub(margin);
+        match tokio::time::timeout(within, self.renew(lease)).await {
+            Ok(renewed) => renewed,
+            Err(_) => {
+                tracing::warn!(
+                    target: LEASE_LOG,
+                    key_id = lease.key_id(),
+                    token = lease.token(),
+                    waited = ?within,
+                    "no answer to the lease's renewal while it lasted: the call is stopped"
+                );
+                Err(Error::LeaseUnconfirmed {
+                    key_id: lease.key_id(),
+                    token: lease.token(),
+                })
             }
         }
     }

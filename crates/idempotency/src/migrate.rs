@@ -12,7 +12,8 @@
 //! find its entries gone and try to create the tables anew, and fail.)
 //!
 //! The tables (the bookkeeping table too) are created in the first schema of the connection's
-//! `search_path`: to keep them in a schema of their own, connect with that schema first
+//! `search_path` that exists (`current_schema()`), and only that schema's `_sqlx_migrations` is
+//! adopted from: to keep them in a schema of their own, connect with that schema first
 //! (`PgConnectOptions::options([("search_path", "payments")])`), as fakestripe does. Every
 //! statement of the crate names its tables unqualified, so the same search path must hold for
 //! the pool the [`crate::Store`] uses.
@@ -95,21 +96,28 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 /// Moves the crate's entries of `_sqlx_migrations`, as earlier versions recorded them, to its
 /// own table.
 async fn adopt(tx: &mut Transaction<'static, Postgres>, ours: &[&Migration]) -> Result<(), Error> {
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-        .fetch_one(&mut **tx)
-        .await
-        .map_err(Error::db("look for sqlx's migrations table"))?;
-    if !exists {
-        return Ok(());
-    }
-    let versions: Vec<i64> = ours.iter().map(|m| m.version).collect();
-    let entries = sqlx::query(
-        "SELECT version, success, checksum FROM _sqlx_migrations WHERE version = ANY($1) FOR UPDATE",
+    // sqlx's table of this schema only, the one the crate's tables are created in: a table of
+    // that name further down the search path is another application's bookkeeping.
+    let table: Option<String> = sqlx::query_scalar(
+        "SELECT format('%I._sqlx_migrations', current_schema())
+         WHERE to_regclass(format('%I._sqlx_migrations', current_schema())) IS NOT NULL",
     )
+    .fetch_optional(&mut **tx)
+    .await
+    .map_err(Error::db("look for sqlx's migrations table"))?;
+    let Some(table) = table else {
+        return Ok(());
+    };
+    let versions: Vec<i64> = ours.iter().map(|m| m.version).collect();
+    let entries = sqlx::query(&format!(
+        "SELECT version, success, checksum FROM {table} WHERE version = ANY($1) FOR UPDATE"
+    ))
     .bind(&versions)
     .fetch_all(&mut **tx)
     .await
-    .map_err(Error::db("read sqlx's entries of the idempotency migrations"))?;
+    .map_err(Error::db(
+        "read sqlx's entries of the idempotency migrations",
+    ))?;
     for entry in &entries {
         let version: i64 = entry.get("version");
         let Some(migration) = ours.iter().find(|m| m.version == version) else {
@@ -136,7 +144,7 @@ async fn adopt(tx: &mut Transaction<'static, Postgres>, ours: &[&Migration]) -> 
         .await
         .map_err(Error::db(format!("adopt idempotency migration {version}")))?;
     }
-    sqlx::query("DELETE FROM _sqlx_migrations WHERE version = ANY($1)")
+    sqlx::query(&format!("DELETE FROM {table} WHERE version = ANY($1)"))
         .bind(&versions)
         .execute(&mut **tx)
         .await

@@ -245,41 +245,32 @@ async fn a_phase_that_is_not_committed_leaves_neither_rows_nor_progress(pool: Pg
 }
 
 #[sqlx::test(migrations = false)]
-async fn a_claim_during_an_open_phase_waits_and_then_sees_the_extended_lease(pool: PgPool) {
+async fn a_claim_during_an_open_phase_is_in_flight_at_once_and_then_sees_the_extended_lease(
+    pool: PgPool,
+) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
     let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
     // The lease is over, but its holder is alive and opens a phase: the fenced update wins the
-    // row lock and extends the lease, so a claimer arriving now must wait and then be refused.
+    // row lock and extends the lease. A claimer arriving now cannot lock the row (NOWAIT): it is
+    // in flight at once, and holds no connection waiting for the phase.
     clock.advance(TTL + Duration::from_secs(1));
     let phase = store.phase(&mut lease, Point::Halfway).await.unwrap();
-    let claimer = {
-        let store = store.clone();
-        let (k, body) = (k.clone(), body.clone());
-        tokio::spawn(async move { store.claim::<Point>(request(1, &k, &body)).await })
-    };
-    // Commit only once the claimer is seen waiting on the row lock the phase holds.
-    let mut waited = false;
-    for _ in 0..500 {
-        let blocked: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        if blocked == 1 {
-            waited = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(waited, "the claimer never waited on the phase's row lock");
+    let during = tokio::time::timeout(
+        Duration::from_secs(5),
+        store.claim::<Point>(request(1, &k, &body)),
+    )
+    .await
+    .expect("the claim waited on the phase's row lock")
+    .unwrap();
+    assert!(matches!(during, Claim::InFlight { .. }), "{during:?}");
     phase.commit().await.unwrap();
-    match claimer.await.unwrap().unwrap() {
+    // After the commit the extended lease refuses it as well.
+    match store.claim::<Point>(request(1, &k, &body)).await.unwrap() {
         Claim::InFlight { .. } => {}
         other => panic!("expected InFlight, got {other:?}"),
     }
+    assert_eq!(lease.recovery_point(), Point::Halfway);
 }
 
 #[sqlx::test(migrations = false)]
@@ -1001,13 +992,13 @@ async fn a_statement_waits_on_a_lock(pool: &PgPool) {
 async fn a_claim_whose_answer_is_held_past_the_lease_knows_the_lease_is_gone(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let abandoned = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let _abandoned = acquired(store.claim(request(1, &k, &body)).await.unwrap());
     clock.advance(TTL + Duration::from_secs(1));
-    // The takeover's statement is held between its sending and its answer: here by a row lock,
-    // as a slow network or a paused process would hold it.
+    // The takeover's statement is held between its sending and its answer: here by a table
+    // lock that lets the claim's read through and holds its write (a row lock would not: the
+    // takeover locks its row NOWAIT), as a slow network or a paused process would hold it.
     let mut holder = pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency_keys WHERE id = $1 FOR UPDATE")
-        .bind(abandoned.key_id())
+    sqlx::query("LOCK TABLE idempotency_keys IN SHARE MODE")
         .execute(&mut *holder)
         .await
         .unwrap();

@@ -393,8 +393,9 @@ impl Store {
 
     /// Takes over the lease of an unfinished key of the same payload whose lease is free or
     /// over, with the next fencing token; `None` when the row no longer qualifies (another
-    /// claimer was first, or it finished). `UPDATE` re-checks its `WHERE` against the newest
-    /// version of a row it had to wait for, so two claimers never both get it.
+    /// claimer was first, or it finished). The row is locked `NOWAIT` and checked again under
+    /// the lock, so two claimers never both get it; a row another transaction holds (a phase
+    /// under way) is [`Taken::Locked`], in flight, and no claimer waits on it.
     async fn take_over<'c, P: RecoveryPoint>(
         &self,
         req: &NewRequest<'_>,
@@ -403,18 +404,27 @@ impl Store {
     ) -> Result<Taken<P>, Error> {
         let row = sqlx::query(
             r#"
-            UPDATE idempotency_keys
-            SET lease_token  = lease_token + 1,
-                attempts     = attempts + 1,
+            -- NOWAIT: a row locked by a phase in progress (or a transactional handler holding the
+            -- key's final phase open) is in flight, answered at once; a claimer that waited on
+            -- it would hold its connection for as long, and retries would pile up on the pool.
+            WITH free AS (
+                SELECT id FROM idempotency_keys
+                WHERE user_id = $1 AND request_method = $2 AND request_path = $3
+                  AND idempotency_key = $4
+                  AND finished_at IS NULL
+                  AND fingerprint = $5
+                  AND (locked_until IS NULL OR locked_until <= coalesce($6::timestamptz, now()))
+                FOR UPDATE NOWAIT
+            )
+            UPDATE idempotency_keys k
+            SET lease_token  = k.lease_token + 1,
+                attempts     = k.attempts + 1,
                 locked_until = coalesce($6::timestamptz, now()) + $7 * interval '1 millisecond',
                 last_run_at  = coalesce($6::timestamptz, now())
-            WHERE user_id = $1 AND request_method = $2 AND request_path = $3
-              AND idempotency_key = $4
-              AND finished_at IS NULL
-              AND fingerprint = $5
-              AND (locked_until IS NULL OR locked_until <= coalesce($6::timestamptz, now()))
-            RETURNING id, request_uuid, lease_token, attempts, completer_attempts,
-                      recovery_point, request_params, locked_until
+            FROM free
+            WHERE k.user_id = $1 AND k.id = free.id
+            RETURNING k.id, k.request_uuid, k.lease_token, k.attempts, k.completer_attempts,
+                      k.recovery_point, k.request_params, k.locked_until
             "#,
         )
         .bind(req.user_id)

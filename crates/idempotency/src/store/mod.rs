@@ -23,9 +23,10 @@
 //! - **A phase** is a READ COMMITTED transaction whose first statement is the fenced update
 //!   `… WHERE id = $1 AND lease_token = $2`. Zero rows: the lease was taken over, the phase
 //!   returns [`Error::LeaseLost`] and the transaction rolls back. One row: the key row is now
-//!   locked by this transaction until commit, so a takeover waits for the phase to end and then
-//!   sees its result (a claimer's read does not wait: it sees the lease the phase extends); the
-//!   business writes that follow cannot interleave with a takeover.
+//!   locked by this transaction until commit, so a takeover cannot lock it (`NOWAIT`) and
+//!   answers in flight without waiting (a claimer's read does not wait either: it sees the
+//!   lease the phase extends); the business writes that follow cannot interleave with a
+//!   takeover.
 //! - **The final phase** fences with `SELECT … FOR UPDATE` and writes the key row once, when it
 //!   stores the response.
 //! - **Updates are HOT.** No index covers a column that an update sets, and rows are inserted
