@@ -646,3 +646,36 @@ async fn a_client_that_hangs_up_mid_request_does_not_leave_its_key_locked(pool: 
     assert!(done.replayed());
     assert_one_paid_ride(&app).await;
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_key_older_than_the_retention_books_anew_whatever_the_reaper_did(pool: PgPool) {
+    let (mut app, _, api_key) = app_with_user(pool).await;
+    // The API with its --key-retention, as `serve` runs it.
+    let retention = std::time::Duration::from_secs(24 * 3600);
+    let state = app.state.clone().with_key_retention(retention).unwrap();
+    let (base, _stop) = common::spawn(rocket_rides::app::router(state)).await;
+    app.base = base;
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    app.clock
+        .advance(retention - std::time::Duration::from_secs(1));
+    let within = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert!(within.replayed(), "within the retention the key replays");
+    assert_eq!(within.body, first.body);
+    // Past it, with the key still in the table (no reaper ran): a new request, a new ride.
+    app.clock.advance(std::time::Duration::from_secs(2));
+    let anew = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(anew.status, 201, "{anew:?}");
+    assert!(!anew.replayed(), "an expired key is a new request");
+    assert_ne!(anew.json()["ride_id"], first.json()["ride_id"]);
+    assert_eq!((app.rides().await, app.charges().await), (2, 2));
+    // The first ride stays, paid, its reference to the deleted key cleared.
+    let kept = app
+        .count("SELECT count(*) FROM rides WHERE status = 'paid' AND idempotency_key_id IS NULL")
+        .await;
+    assert_eq!(kept, 1);
+    // And the new key replays in its turn.
+    let again = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, anew.body);
+}
