@@ -110,7 +110,8 @@ async fn adopt(tx: &mut Transaction<'static, Postgres>, ours: &[&Migration]) -> 
     };
     let versions: Vec<i64> = ours.iter().map(|m| m.version).collect();
     let entries = sqlx::query(&format!(
-        "SELECT version, success, checksum FROM {table} WHERE version = ANY($1) FOR UPDATE"
+        "SELECT version, description, success, checksum FROM {table}
+         WHERE version = ANY($1) FOR UPDATE"
     ))
     .bind(&versions)
     .fetch_all(&mut **tx)
@@ -118,20 +119,33 @@ async fn adopt(tx: &mut Transaction<'static, Postgres>, ours: &[&Migration]) -> 
     .map_err(Error::db(
         "read sqlx's entries of the idempotency migrations",
     ))?;
+    let mut adopted = Vec::new();
     for entry in &entries {
         let version: i64 = entry.get("version");
         let Some(migration) = ours.iter().find(|m| m.version == version) else {
             continue;
         };
+        let description: String = entry.get("description");
+        let same_contents = entry.get::<Vec<u8>, _>("checksum") == *migration.checksum;
+        if !same_contents && description != migration.description {
+            // The application's own migration under a version number the crate uses too: not
+            // the crate's to adopt, nor to delete.
+            tracing::info!(
+                version,
+                description,
+                "an application migration shares a version with an idempotency migration; left alone"
+            );
+            continue;
+        }
+        if !same_contents {
+            return Err(changed(migration));
+        }
         if !entry.get::<bool, _>("success") {
             return Err(Error::Migration(format!(
                 "idempotency migration {version} ({}) failed earlier under sqlx's bookkeeping \
                  (_sqlx_migrations.success = false): repair it by hand, then delete that entry",
                 migration.description
             )));
-        }
-        if entry.get::<Vec<u8>, _>("checksum") != *migration.checksum {
-            return Err(changed(migration));
         }
         sqlx::query(
             "INSERT INTO idempotency_schema_migrations (version, description, checksum, adopted)
@@ -143,17 +157,19 @@ async fn adopt(tx: &mut Transaction<'static, Postgres>, ours: &[&Migration]) -> 
         .execute(&mut **tx)
         .await
         .map_err(Error::db(format!("adopt idempotency migration {version}")))?;
+        adopted.push(version);
     }
+    // Only the entries adopted, by version and contents: the application's stay.
     sqlx::query(&format!("DELETE FROM {table} WHERE version = ANY($1)"))
-        .bind(&versions)
+        .bind(&adopted)
         .execute(&mut **tx)
         .await
         .map_err(Error::db(
             "remove the idempotency migrations from sqlx's table",
         ))?;
-    if !entries.is_empty() {
+    if !adopted.is_empty() {
         tracing::info!(
-            adopted = entries.len(),
+            adopted = adopted.len(),
             "idempotency migrations moved from _sqlx_migrations to {MIGRATIONS_TABLE}"
         );
     }

@@ -202,3 +202,46 @@ async fn migrators_that_start_together_take_turns(pool: PgPool) {
         crate_migrations()
     );
 }
+
+#[sqlx::test(migrations = false)]
+async fn an_application_migration_with_one_of_the_crates_versions_is_left_alone(pool: PgPool) {
+    // An application whose own migration, applied before it took up the crate, happens to carry
+    // the version of the crate's first one (date-based numbers meet).
+    sqlx::raw_sql(
+        "CREATE TABLE _sqlx_migrations (
+             version BIGINT PRIMARY KEY, description TEXT NOT NULL,
+             installed_on TIMESTAMPTZ NOT NULL DEFAULT now(), success BOOLEAN NOT NULL,
+             checksum BYTEA NOT NULL, execution_time BIGINT NOT NULL);
+         INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (20261129000001, 'create invoices', true, '\\x0102', 7);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    idempotency::migrate(&pool).await.unwrap();
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM _sqlx_migrations WHERE description = 'create invoices'"
+        )
+        .await,
+        1,
+        "the application's entry stays"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_schema_migrations WHERE NOT adopted"
+        )
+        .await as usize,
+        crate_migrations(),
+        "the crate's migrations ran, none adopted"
+    );
+    let store = Store::new(
+        pool.clone(),
+        Arc::new(DatabaseClock),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    assert!(matches!(claim(&store, "k").await, Claim::Acquired(_)));
+}
