@@ -128,13 +128,13 @@ async fn transfer(
     let mut lease = match app.store.begin::<Step>(request, Step::Moved).await? {
         Begun::New(mut first) => {
             let key_id = first.lease().key_id();
-            if move_money(first.conn(), user, key_id, &params).await? {
-                first.commit().await?
-            } else {
-                let refused =
-                    StoredResponse::json(402, &json!({"error": "insufficient funds"}), vec![]);
-                first.finish(&refused).await?;
-                return Ok(refused);
+            match move_money(first.conn(), user, key_id, &params).await? {
+                None => first.commit().await?,
+                Some(refused) => {
+                    // A final answer too: stored with the key, replayed to every retry.
+                    first.finish(&refused).await?;
+                    return Ok(refused);
+                }
             }
         }
         Begun::Existing(Claim::Acquired(lease)) => lease,
@@ -166,10 +166,8 @@ async fn advance(app: &App, lease: &mut Lease<Step>) -> Result<StoredResponse, F
         let (user, stored) = (lease.user_id(), lease.params().clone());
         let mut phase = app.store.phase(lease, Step::Moved).await?;
         let key_id = phase.key_id();
-        if !move_money(phase.conn(), user, key_id, &stored).await? {
+        if let Some(refused) = move_money(phase.conn(), user, key_id, &stored).await? {
             drop(phase);
-            let refused =
-                StoredResponse::json(402, &json!({"error": "insufficient funds"}), vec![]);
             app.store.final_phase(lease).await?.finish(&refused).await?;
             return Ok(refused);
         }
@@ -204,23 +202,41 @@ async fn advance(app: &App, lease: &mut Lease<Step>) -> Result<StoredResponse, F
     Ok(answer)
 }
 
-/// Debits `from` (only if it is the user's and holds enough) and credits `to`, and records the
-/// transfer under the key. False, with nothing written, when the funds are short.
+/// Debits `from` (only if it is the user's and holds enough), credits `to` and records the
+/// transfer under the key. A refusal to store instead, with nothing written, when `to` does not
+/// exist or the funds are short.
 async fn move_money(
     conn: &mut PgConnection,
     user: i64,
     key_id: i64,
     params: &Value,
-) -> Result<bool, idempotency::Error> {
+) -> Result<Option<StoredResponse>, idempotency::Error> {
     let db = |e| idempotency::Error::Database {
         context: "move the money".into(),
         source: e,
+    };
+    let refusal = |status, error| {
+        Some(StoredResponse::json(
+            status,
+            &json!({ "error": error }),
+            vec![],
+        ))
     };
     let (from, to, amount) = (
         params["from"].as_i64(),
         params["to"].as_i64(),
         params["amount_cents"].as_i64(),
     );
+    // The account credited must exist, and stay until the commit.
+    let target: Option<i64> =
+        sqlx::query_scalar("SELECT id FROM example_accounts WHERE id = $1 FOR SHARE")
+            .bind(to)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(db)?;
+    if target.is_none() {
+        return Ok(refusal(422, "no such account to credit"));
+    }
     let debited = sqlx::query(
         "UPDATE example_accounts SET balance_cents = balance_cents - $3 \
          WHERE id = $1 AND owner_id = $2 AND balance_cents >= $3",
@@ -232,7 +248,7 @@ async fn move_money(
     .await
     .map_err(db)?;
     if debited.rows_affected() == 0 {
-        return Ok(false);
+        return Ok(refusal(402, "insufficient funds"));
     }
     sqlx::query("UPDATE example_accounts SET balance_cents = balance_cents + $2 WHERE id = $1")
         .bind(to)
@@ -251,7 +267,7 @@ async fn move_money(
     .execute(&mut *conn)
     .await
     .map_err(db)?;
-    Ok(true)
+    Ok(None)
 }
 
 /// One completer pass over the transfers that requests left behind.
@@ -562,6 +578,10 @@ mod tests {
         )
         .await;
         assert_eq!(theirs.unwrap().status, 402);
+        // To an account that does not exist: refused, and nothing is debited.
+        let nowhere = json!({"to": 99, "amount_cents": 1});
+        let refused = transfer(&app, 7, 1, &key("nowhere"), &nowhere).await;
+        assert_eq!(refused.unwrap().status, 422);
         for bad in [
             json!({"to": 2}),
             json!({"to": 2, "amount_cents": -5}),
