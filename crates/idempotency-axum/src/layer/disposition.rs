@@ -28,9 +28,14 @@ pub enum Disposition {
     /// under the old one would be made again. In the [transactional
     /// mode](super#the-transactional-mode) the handler's writes are rolled back first.
     ///
-    /// The delete is fenced by the lease and refused while rows reference the key; such a key
-    /// is released instead, keeping its row and payload, as for [`Disposition::Release`] (see
-    /// the [module's documentation](super)).
+    /// The delete is fenced by the lease. In the default mode, rows the handler wrote that
+    /// reference the key get what their foreign key says: `RESTRICT` or `NO ACTION` refuses the
+    /// delete, and the key is released instead, keeping its row and payload, as for
+    /// [`Disposition::Release`]; `ON DELETE SET NULL` (which
+    /// [`Store::with_retention`](idempotency::Store::with_retention) requires) lets it through,
+    /// the rows lose their reference, and a corrected retry runs the handler again as a new
+    /// request. A handler that writes belongs in the transactional mode (see the [module's
+    /// documentation](super)).
     Forget,
 }
 

@@ -16,17 +16,24 @@
 //! The layer claims the key, calls the handler once, and lets the answer's [`Disposition`] decide
 //! what becomes of the key. By default ([`Disposition::for_status`]):
 //!
-//! - **a final answer is stored** (2xx, 3xx, and 4xx other than 400, 408, 409, 422, 425 and
-//!   429): later requests with the key get it byte for byte, with `Idempotent-Replayed: true`;
+//! - **a final answer is stored** (2xx, 3xx, and 4xx other than 400, 408, 409, 413, 415, 422,
+//!   425 and 429): later requests with the key get it byte for byte, with
+//!   `Idempotent-Replayed: true`;
 //! - **an answer that invites a retry is not** (5xx, 408, 409, 425, 429): the key's lease is
 //!   released, and a retry with the key and its payload runs the handler again;
-//! - **a validation refusal forgets the key** (400, 413, 415, 422), as Stripe keeps nothing of a request
-//!   that failed validation: the key's row is deleted, and a corrected payload may use the key.
-//!   The delete is fenced by the lease ([`Store::abandon_or_release`]). A handler that wrote rows
-//!   referencing its key before it refused (against [`Disposition::Forget`]'s contract) keeps
-//!   the key alive: the application's foreign keys refuse the delete, and the key is released
-//!   instead, with its payload. A retry with that payload then runs the handler again at once,
-//!   and another payload under the key is refused (422). This is logged.
+//! - **a validation refusal forgets the key** (400, 413, 415, 422), as Stripe keeps nothing of a
+//!   request that failed validation: the key's row is deleted, and a corrected payload may use
+//!   the key. The delete is fenced by the lease ([`Store::abandon_or_release`]).
+//!
+//!   A handler that wrote rows referencing its key before it refused (against
+//!   [`Disposition::Forget`]'s contract) keeps the key alive only if their foreign key refuses
+//!   the delete (`RESTRICT` or `NO ACTION`): the key is then released instead, with its payload,
+//!   a retry with that payload runs the handler again at once, and another payload under the key
+//!   is refused (422); this is logged. A foreign key `ON DELETE SET NULL`, which
+//!   [`Store::with_retention`] requires, lets the delete through: the rows stay without their
+//!   key, and a corrected retry is a new request that runs the handler again. Give a handler
+//!   that writes the [transactional mode](#the-transactional-mode), where a refusal rolls its
+//!   writes back before the key is forgotten.
 //!
 //! [`IdempotencyLayer::with_disposition`] decides otherwise, from the answer's status, headers
 //! or extensions.
@@ -58,9 +65,12 @@
 //!   one.
 //! - **The lease is renewed while the handler runs** (every [`IdempotencyLayer::heartbeat`]), so
 //!   a handler slower than the lease TTL is not taken over by a retry and run twice at once. If a
-//!   renewal finds the lease taken over, or fails, the handler's task is aborted at its next
-//!   await, and its client gets 409 `lease-lost` (or 500): the request that took the key over
-//!   answers instead.
+//!   renewal finds the lease taken over, the handler's task is aborted at its next await and its
+//!   client gets 409 `lease-lost`: the request that took the key over answers instead. A renewal
+//!   that fails otherwise is tried again at the next beat while the lease surely lasts past it;
+//!   one that does not answer before the lease would run out
+//!   ([`idempotency::Error::LeaseUnconfirmed`]), or that fails with no beat left, aborts the
+//!   handler too: the key is released and the client gets 500.
 //!
 //! What the default mode cannot do: the handler's writes and the stored answer are not one
 //! transaction. If the process dies after the handler's effect and before the answer is stored
@@ -86,10 +96,11 @@
 //!                                                                             └─ panic, error, too large ─► ROLLBACK, release, 500
 //! ```
 //!
-//! - **A final answer commits with the writes**: a retry finds both, or neither. If the commit
-//!   fails, the client gets 500, never the handler's answer, and nothing of the request is
-//!   kept; the key then waits for its lease to expire (the failed commit took the lease with
-//!   it), and a retry runs the handler anew.
+//! - **A final answer commits with the writes**: a retry finds both, or neither. If storing it
+//!   or the commit fails, the client gets 500, never the handler's answer, and nothing of the
+//!   request is kept: the key is released, and a retry runs the handler anew at once. (A commit
+//!   whose answer was lost may have landed: the release then finds the key finished and changes
+//!   nothing, and the retry replays the answer.)
 //! - **An answer that is not stored undoes the handler's writes**: a 5xx, 408, 409, 425 or 429
 //!   (released) and a 400, 413, 415 or 422 (forgotten) roll them back, as do a panic, a handler error, an
 //!   answer whose body fails and an answer too large to store (these answer 500: a success
@@ -100,10 +111,11 @@
 //!   PostgreSQL rolls the transaction back and frees the row, and a retry runs the handler
 //!   cleanly once the lease expires.
 //! - **No lease heartbeat**: the transaction holds the key row's lock until it ends, so no
-//!   request can take the key over meanwhile (a takeover's write waits for the lock; a renewal
-//!   from another connection would wait for it too). A retry while the lease lasts gets 409;
-//!   after it, its takeover waits for the transaction's end (or the connection's
-//!   `lock_timeout`, then 409), and then replays the answer or runs the handler anew.
+//!   request can take the key over meanwhile (a renewal from another connection would wait for
+//!   that lock). A retry gets 409 for as long as the transaction lasts, past the lease too: its
+//!   takeover locks the row `NOWAIT`, finds it held and answers in flight at once, without
+//!   waiting. Once the transaction has ended, a retry replays the answer or runs the handler
+//!   anew.
 //!
 //! What the handler must do in this mode:
 //!
@@ -112,9 +124,14 @@
 //! - **be short**: it holds a pooled connection and the key row's lock while it runs. Bound a
 //!   stuck one with PostgreSQL's `idle_in_transaction_session_timeout` on the pool's
 //!   connections (its commit then fails: 500, nothing kept);
-//! - **write through the [`KeyTransaction`] only**: a second connection from the same pool
-//!   would commit on its own, and under load a pool whose connections all wait for a second
-//!   one starves;
+//! - **write through the [`KeyTransaction`] only**. A write through another connection commits
+//!   on its own, outside the key's transaction. One of a row that references the key (a foreign
+//!   key to `idempotency_keys`) must not be made at all: its foreign-key check waits for a
+//!   `KEY SHARE` lock on the key row, which the key's transaction holds `FOR UPDATE` until the
+//!   handler returns, while the handler waits for the write. PostgreSQL sees no deadlock (half
+//!   of the cycle is the handler's own code): the write waits until a `lock_timeout` or
+//!   `statement_timeout` ends it, or for good. And under load, a pool whose connections all
+//!   wait for a second one starves;
 //! - **let no statement fail unhandled**: a failed statement aborts the transaction, and a
 //!   final answer then cannot be stored (500). Try a statement that may fail in a savepoint
 //!   (`sqlx::Connection::begin` on the connection).

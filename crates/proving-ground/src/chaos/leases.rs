@@ -16,8 +16,8 @@ pub(crate) struct LostLease {
     pub log: String,
     pub key_id: i64,
     pub token: i64,
-    /// The writes (`phase`, `gateway`, `release`) logged under the lost key and token after the
-    /// loss: each was about to be made.
+    /// The writes (`phase`, `final_phase`, `call`, `release`, `abandon`) logged under the lost key
+    /// and token after the loss: each was about to be made.
     pub writes_after: Vec<String>,
 }
 

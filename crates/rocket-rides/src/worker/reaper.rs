@@ -1,9 +1,11 @@
 //! The reaper: the library's [`Reaper`], deleting finished keys older than the retention in
 //! batches.
 //!
-//! After a key is reaped, the same key string starts a new request: a client that retries later
-//! than the retention gets a second ride. Stripe documents the same for its 24-hour window; keep
-//! the retention longer than any client retries.
+//! The reaper only keeps the table small; it decides no answer. A key that finished longer ago
+//! than the retention is a new request at its next claim, reaped or not (`serve`'s store takes
+//! the same `--key-retention` and checks the age when it reads the key), so a client that retries
+//! later than that gets a second ride. Stripe documents the same for its 24-hour window; keep the
+//! retention longer than any client retries.
 
 use idempotency::Reaper;
 
