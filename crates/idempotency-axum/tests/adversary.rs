@@ -163,14 +163,18 @@ async fn transactional_bank(
 /// out (the clock moves past the TTL: the mode renews nothing). A retry with the key comes.
 /// Then the handler answers 201.
 ///
-/// Safe outcome: the retry cannot take the key over while the key's transaction holds the row;
-/// it waits, then replays the handler's 201 (`Idempotent-Replayed`). One deposit, one run.
+/// Safe outcome: the retry cannot take the key over while the key's transaction holds the row:
+/// it is answered 409 at once (the takeover locks `NOWAIT`; a retry that waited would hold a
+/// connection for as long); once the handler has answered, a retry replays its 201
+/// (`Idempotent-Replayed`). One deposit, one run.
 ///
 /// Mutation that fails it: an owned final phase that fences without `FOR UPDATE` (the retry
 /// takes the key over and deposits a second time), or a layer that renews nothing *and* does
 /// not hold the row.
 #[sqlx::test(migrations = false)]
-async fn a_retry_after_the_lease_of_a_slow_transactional_handler_waits_and_replays(pool: PgPool) {
+async fn a_retry_after_the_lease_of_a_slow_transactional_handler_is_in_flight_then_replays(
+    pool: PgPool,
+) {
     let clock = ManualClock::starting_now();
     let (app, bank) = transactional_bank(&pool, Arc::new(clock.clone()), &[Step::Wait]).await;
     let first = tokio::spawn({
@@ -179,19 +183,14 @@ async fn a_retry_after_the_lease_of_a_slow_transactional_handler_waits_and_repla
     });
     bank.started.notified().await;
     clock.advance(Duration::from_secs(6));
-    let retry = tokio::spawn({
-        let app = app.clone();
-        async move { send(&app, "slow").await }
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !retry.is_finished(),
-        "the retry did not wait for the key's transaction"
-    );
+    let during = tokio::time::timeout(Duration::from_secs(5), send(&app, "slow"))
+        .await
+        .expect("the retry waited on the key's transaction");
+    assert_eq!(during.0, StatusCode::CONFLICT);
     bank.gate.notify_one();
     let (status, replayed, body) = first.await.unwrap();
     assert_eq!((status, replayed), (StatusCode::CREATED, false));
-    let (again, replayed_again, again_body) = retry.await.unwrap();
+    let (again, replayed_again, again_body) = send(&app, "slow").await;
     assert_eq!((again, replayed_again), (StatusCode::CREATED, true));
     assert_eq!(again_body, body);
     assert_eq!(deposits(&pool).await, 1);

@@ -538,19 +538,25 @@ async fn a_handler_slower_than_the_lease_keeps_its_key_and_runs_once(pool: PgPoo
         async move { read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await }
     });
     entered.notified().await;
-    // The handler is still at work when its lease would have ended.
-    clock.advance(Duration::from_secs(31));
+    // Two thirds of the lease pass while the handler is at work.
+    clock.advance(Duration::from_secs(20));
     let now = clock.now().unwrap();
-    // The heartbeat renews it from the moved time (bounded wait for the next beat).
+    // The heartbeat renews it from the moved time, past its first end (bounded wait for the
+    // next beat).
     let mut renewed = false;
     for _ in 0..300 {
-        if locked_until(&pool).await.is_some_and(|until| until > now) {
+        if locked_until(&pool)
+            .await
+            .is_some_and(|until| until > now + Duration::from_secs(11))
+        {
             renewed = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(renewed, "the lease was renewed while the handler ran");
+    // The handler is still at work when its first lease would have ended.
+    clock.advance(Duration::from_secs(11));
     // A retry meanwhile is told the request is in flight, and runs nothing.
     let (status, _, _) = read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
     assert_eq!(status, StatusCode::CONFLICT);

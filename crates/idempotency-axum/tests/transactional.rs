@@ -33,6 +33,8 @@ enum Then {
     /// Leaves a task behind that holds the transaction's connection until the gate opens, and
     /// answers 201.
     Hold,
+    /// Asks for the connection again while it holds it, and answers what that gives.
+    AskTwice,
 }
 
 /// The bank behind the deposit handler: what it does after each write (201 once the script is
@@ -81,7 +83,7 @@ fn answer(then: Then, deposit: i64) -> Response {
     match then {
         Then::Panic => panic!("the deposit handler dies after its write"),
         Then::Answer(status) => (status, format!("deposit {deposit}")).into_response(),
-        Then::Keep | Then::Hold => unreachable!("handled by the handler"),
+        Then::Keep | Then::Hold | Then::AskTwice => unreachable!("handled by the handler"),
     }
 }
 
@@ -109,6 +111,10 @@ async fn deposit(State(bank): State<Bank>, claimed: ClaimedKey, tx: KeyTransacti
             holding.await.unwrap();
             (StatusCode::CREATED, format!("deposit {deposit}")).into_response()
         }
+        Then::AskTwice => match tx.conn().await {
+            Ok(_) => (StatusCode::CREATED, format!("deposit {deposit}")).into_response(),
+            Err(problem) => problem.into_response(),
+        },
         then => answer(then, deposit),
     }
 }
@@ -403,4 +409,18 @@ async fn a_handler_whose_task_still_writes_after_its_return_answers_500_and_comm
     let (status, _, _) = send(&app, "k1").await;
     assert_eq!(status, StatusCode::CONFLICT);
     bank.gate.notify_one();
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_handler_that_asks_for_its_connection_twice_is_refused_instead_of_hanging(pool: PgPool) {
+    let (app, bank) = bank(&pool).await;
+    bank.then(&[Then::AskTwice]);
+    let asked = tokio::time::timeout(Duration::from_secs(10), send(&app, "k1"))
+        .await
+        .expect("the handler hung on its own guard");
+    assert_eq!(asked.0, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(deposits(&pool).await, 0, "the 500 rolled the deposit back");
+    let (status, replayed, _) = send(&app, "k1").await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    assert_eq!(deposits(&pool).await, 1);
 }

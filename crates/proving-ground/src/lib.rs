@@ -3,8 +3,8 @@
 //!
 //! | program | what it proves | module |
 //! |---|---|---|
-//! | `chaos` | every invariant holds while the real processes are killed and cut | [`chaos`] |
-//! | `bench` | what a booking costs, against the same booking without idempotency | [`bench`] |
+//! | `chaos` | every invariant holds while the real processes are killed and cut | [`chaos`](mod@chaos) |
+//! | `bench` | what a booking costs, against the same booking without idempotency | [`bench`](mod@bench) |
 //!
 //! Both start the real programs against PostgreSQL from `scripts/postgres.sh`: `chaos` the
 //! `rocket-rides` binary built with its `failpoints` feature (which it checks) and fakestripe

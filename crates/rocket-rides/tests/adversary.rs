@@ -624,10 +624,11 @@ async fn fixed_the_layer_runs_a_handler_on_a_lease_that_ran_out_during_its_claim
     assert_eq!(send_effect(router.clone()).await, 503);
     effects.failing.store(false, Ordering::SeqCst);
 
-    // Request A's claim is held up: its takeover waits on the key's row (another transaction
-    // holds it), and the TTL passes meanwhile.
+    // Request A's claim is held up: its takeover's write waits on a table lock another
+    // transaction holds (a row lock would not hold it: the takeover locks its row NOWAIT), and
+    // the TTL passes meanwhile.
     let mut blocker = pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency_keys WHERE idempotency_key = 'k1' FOR UPDATE")
+    sqlx::query("LOCK TABLE idempotency_keys IN SHARE MODE")
         .execute(&mut *blocker)
         .await
         .unwrap();
@@ -647,7 +648,7 @@ async fn fixed_the_layer_runs_a_handler_on_a_lease_that_ran_out_during_its_claim
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(waiting, "request A's takeover waits on the row");
+    assert!(waiting, "request A's takeover waits on the lock");
     clock.advance(ttl + Duration::from_secs(1));
     blocker.rollback().await.unwrap();
     // A got a lease that is over by its own clock, and runs its handler anyway.

@@ -275,8 +275,8 @@ where
 /// they are rolled back.
 ///
 /// The transaction locks the key row from before the handler runs until it ends, so the lease
-/// is not renewed: a takeover's write waits for the lock anyway, and a renewal, from another
-/// connection, would wait for this transaction's own lock. The handler still runs in a task of
+/// is not renewed: a takeover cannot lock the row (it tries `NOWAIT`, and answers in flight),
+/// and a renewal, from another connection, would wait for this transaction's own lock. The handler still runs in a task of
 /// its own, so that its panic is seen here, with the transaction in hand to roll back.
 async fn in_transaction<S>(
     layer: &IdempotencyLayer,

@@ -97,13 +97,19 @@ impl KeyTransaction {
         }
     }
 
-    /// Locks the transaction's connection for the caller. Fails (500) only when the handler
-    /// has returned already: the layer took the transaction back.
-    ///
-    /// One guard at a time: asking again while holding one waits for ever. Keep one guard for
-    /// the handler's statements, or drop each before the next.
+    /// Locks the transaction's connection for the caller. Fails (500) when the handler has
+    /// returned already (the layer took the transaction back), and when a guard is held
+    /// already: one connection runs one statement at a time, and a handler that asked again
+    /// while holding one would otherwise wait for ever, with the key row locked. Keep one guard
+    /// for the handler's statements, or drop each before the next.
     pub async fn conn(&self) -> Result<KeyConnection<'_>, Problem> {
-        let phase = self.phase.lock().await;
+        let Ok(phase) = self.phase.try_lock() else {
+            tracing::error!(
+                "a KeyTransaction's connection is asked for while a guard of it is held; \
+                 drop the guard first"
+            );
+            return Err(internal());
+        };
         MutexGuard::try_map(phase, |phase| phase.as_mut().map(OwnedFinalPhase::conn))
             .map(KeyConnection)
             .map_err(|_| {

@@ -254,8 +254,10 @@ impl Store {
     /// had never been sent: a later request may use it again, with any payload. Fenced like a
     /// release; a finished key is never deleted.
     ///
-    /// Delete only a key that has written nothing: rows referencing it keep it alive (their
-    /// foreign keys refuse the delete) and the store's error says so.
+    /// Delete only a key that has written nothing. Rows referencing it under a foreign key that
+    /// refuses the delete (`RESTRICT`, `NO ACTION`) keep it, and the store's error says so
+    /// ([`Store::abandon_or_release`] releases it instead); under `ON DELETE SET NULL`, which
+    /// expiry at read needs, the delete goes through and the rows lose their reference.
     pub async fn abandon<P: RecoveryPoint>(&self, lease: Lease<P>) -> Result<(), Error> {
         writing(&lease, "abandon");
         self.delete_unfinished(&lease).await

@@ -112,7 +112,7 @@ mod tests {
     #[test]
     fn a_write_after_the_loss_under_the_same_lease_is_found_and_others_are_not() {
         let text = [
-            line(7, 1, Some("gateway")),
+            line(7, 1, Some("call")),
             line(7, 1, None),
             "thread 'main' panicked: not json".to_owned(),
             // Another holder of the key, with its own token: not the lost holder's write.

@@ -131,7 +131,8 @@ impl RecoveryPoint for RidePoint {
 /// Why a booking stopped without a final response.
 #[derive(Debug, thiserror::Error)]
 pub enum BookingError {
-    /// Another holder took the key over; this one must stop.
+    /// Another holder took the key over, or may have (a renewal did not answer before the lease
+    /// ran out); this one must stop.
     #[error("lease lost: {0}")]
     LeaseLost(idempotency::Error),
     /// The gateway did not answer or is unavailable. The charge may exist; resume later.
@@ -164,7 +165,11 @@ pub enum BookingError {
 impl From<idempotency::Error> for BookingError {
     fn from(e: idempotency::Error) -> Self {
         match e {
-            idempotency::Error::LeaseLost { .. } => Self::LeaseLost(e),
+            // A lease that could not be renewed before it ran out may be someone else's by now:
+            // the holder stops as if it were, and writes nothing more.
+            idempotency::Error::LeaseLost { .. } | idempotency::Error::LeaseUnconfirmed { .. } => {
+                Self::LeaseLost(e)
+            }
             other => Self::Internal(other.to_string()),
         }
     }
