@@ -311,7 +311,7 @@ async fn create_schema(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> 
 /// A stand-in for the notification service. Like Stripe, it remembers the idempotency keys it
 /// was called with and answers a repeated key with its first answer instead of sending again.
 #[derive(Clone, Default)]
-struct Notifier(Arc<Mutex<Notices>>);
+struct Notifier(Arc<Mutex<Notices>>, Arc<tokio::sync::Notify>);
 
 #[derive(Default)]
 struct Notices {
@@ -342,7 +342,7 @@ impl Notifier {
         let fault = self.0.lock().unwrap().fault.take();
         match fault {
             Some(Fault::Down) => return Err(Unavailable),
-            Some(Fault::HangBefore) => std::future::pending::<()>().await,
+            Some(Fault::HangBefore) => self.hang().await,
             _ => {}
         }
         let id = {
@@ -355,9 +355,15 @@ impl Notifier {
             notices.by_key[key].clone()
         };
         if let Some(Fault::HangAfter) = fault {
-            std::future::pending::<()>().await;
+            self.hang().await;
         }
         Ok(id)
+    }
+
+    /// Never answers; tells the tests it got there first.
+    async fn hang(&self) {
+        self.1.notify_one();
+        std::future::pending::<()>().await
     }
 
     fn sent(&self) -> usize {
@@ -466,15 +472,7 @@ mod tests {
             tokio::spawn(async move { transfer(&app, 7, 1, &key("crash"), &body).await })
         };
         // The money moves, then the call hangs: the process dies there.
-        while sqlx::query_scalar::<_, i64>("SELECT count(*) FROM example_transfers")
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-            == 0
-        {
-            tokio::task::yield_now().await;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        app.notifier.1.notified().await;
         dying.abort();
         assert!(dying.await.unwrap_err().is_cancelled());
         assert_eq!(balances(&pool).await, (7500, 2500));

@@ -114,6 +114,19 @@ pub fn backoff(completer_attempts: i32, base: Duration, max: Duration) -> Durati
     base.saturating_mul(1 << doublings).min(max)
 }
 
+/// How long a key is left to its client before a [`Completer`] takes it, by default.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
+/// The most keys a completer pass claims, by default.
+pub const DEFAULT_BATCH: usize = 50;
+/// How many keys a completer works at once, by default.
+pub const DEFAULT_CONCURRENCY: usize = 4;
+/// The backoff after a key's first failed completer attempt, by default.
+pub const DEFAULT_BACKOFF: Duration = Duration::from_secs(5);
+/// The most a completer's backoff grows to, by default.
+pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(600);
+/// The most keys one reaper statement deletes, by default.
+pub const DEFAULT_REAP_BATCH: i64 = 500;
+
 /// Finishes the abandoned keys of one route with the application's closure. See the
 /// [module](crate::runner).
 #[derive(Debug, Clone)]
@@ -130,17 +143,18 @@ pub struct Completer {
 
 impl Completer {
     /// A completer of the keys of `method` and `route` (as the requests' claims name them), with
-    /// a grace of one minute, batches of 50 keys, 4 at once, and a backoff from 5 s to 10 min.
+    /// the defaults: [`DEFAULT_GRACE`], [`DEFAULT_BATCH`] keys a pass, [`DEFAULT_CONCURRENCY`] at
+    /// once, and a backoff from [`DEFAULT_BACKOFF`] to [`DEFAULT_BACKOFF_MAX`].
     pub fn new(store: Store, method: &str, route: &str) -> Self {
         Self {
             store,
             method: method.to_owned(),
             route: route.to_owned(),
-            grace: Duration::from_secs(60),
-            batch: 50,
-            concurrency: 4,
-            backoff: Duration::from_secs(5),
-            backoff_max: Duration::from_secs(600),
+            grace: DEFAULT_GRACE,
+            batch: DEFAULT_BATCH,
+            concurrency: DEFAULT_CONCURRENCY,
+            backoff: DEFAULT_BACKOFF,
+            backoff_max: DEFAULT_BACKOFF_MAX,
         }
     }
 
@@ -322,7 +336,8 @@ pub struct Reaper {
 }
 
 impl Reaper {
-    /// A reaper of the keys that finished longer ago than `store`'s retention, 500 per statement.
+    /// A reaper of the keys that finished longer ago than `store`'s retention,
+    /// [`DEFAULT_REAP_BATCH`] per statement.
     /// A store without a retention keeps its keys for good, and is refused
     /// ([`Error::InvalidConfig`]).
     pub fn new(store: Store) -> Result<Self, Error> {
@@ -331,7 +346,10 @@ impl Reaper {
                 "a reaper needs a store with a retention (Store::with_retention)".into(),
             ));
         }
-        Ok(Self { store, batch: 500 })
+        Ok(Self {
+            store,
+            batch: DEFAULT_REAP_BATCH,
+        })
     }
 
     /// The most keys one statement deletes (at least one): short statements hold few locks.

@@ -33,7 +33,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Metric, Registry, Unit};
 
 /// The media type of the text exposition format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -228,171 +228,158 @@ struct Inner {
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::default();
-        let http_requests = Family::<HttpLabels, Counter>::default();
-        registry.register(
-            "http_requests",
-            "HTTP requests answered, by method, route template and status",
-            http_requests.clone(),
-        );
-        let http_duration: Histograms<HttpLabels> = Family::new_with_constructor(seconds_histogram);
-        registry.register_with_unit(
-            "http_request_duration",
-            "Time to answer an HTTP request, by method, route template and status",
-            Unit::Seconds,
-            http_duration.clone(),
-        );
-        let requests_shed = Counter::default();
-        registry.register(
-            "http_requests_shed",
-            "Requests answered 503 at once because as many were in flight as the server takes",
-            requests_shed.clone(),
-        );
-        let requests_timed_out = Counter::default();
-        registry.register(
-            "http_requests_timed_out",
-            "Requests answered 503 because they ran past the request deadline",
-            requests_timed_out.clone(),
-        );
-        let connections_open = Gauge::default();
-        registry.register(
-            "http_connections_open",
-            "Connections open now",
-            connections_open.clone(),
-        );
-        let connections_refused = Counter::default();
-        registry.register(
-            "http_connections_refused",
-            "Connections answered 503 and closed because as many were open as the server takes",
-            connections_refused.clone(),
-        );
-        let claims = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
-            "idempotency_claims",
-            "Claims of idempotency keys, by outcome",
-            claims.clone(),
-        );
-        let claim_duration = seconds_histogram();
-        registry.register_with_unit(
-            "idempotency_claim_duration",
-            "Time of one claim: the read of the key and, for a new or abandoned key, the write that \
-             claims it (a new key's insert opens the transaction of its first phase)",
-            Unit::Seconds,
-            claim_duration.clone(),
-        );
-        let phase_duration: Histograms<PhaseLabel> =
-            Family::new_with_constructor(seconds_histogram);
-        registry.register_with_unit(
-            "booking_phase_duration",
-            "Time of one atomic phase of a booking, from its first statement to its commit, by the \
-             recovery point it commits",
-            Unit::Seconds,
-            phase_duration.clone(),
-        );
-        let gateway_duration: Histograms<CallLabel> =
-            Family::new_with_constructor(seconds_histogram);
-        registry.register_with_unit(
-            "gateway_call_duration",
-            "Time of one call to the payment gateway, by call",
-            Unit::Seconds,
-            gateway_duration.clone(),
-        );
-        let charges = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
-            "gateway_charges",
-            "Calls to the gateway's charge endpoint, by outcome",
-            charges.clone(),
-        );
-        let reconciliations = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
-            "gateway_reconciliations",
-            "Lists of a customer's charges made because the gateway key could not be trusted, by \
-             outcome",
-            reconciliations.clone(),
-        );
-        let payments_refused = Counter::default();
-        registry.register(
-            "payments_refused",
-            "Requests finished with 502 because the gateway refused the charge for good",
-            payments_refused.clone(),
-        );
-        let leases_lost = Counter::default();
-        registry.register(
-            "idempotency_leases_lost",
-            "Requests stopped because another holder took their key over",
-            leases_lost.clone(),
-        );
-        let completer = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
-            "completer_keys",
-            "Keys the completer claimed, and how each attempt ended",
-            completer.clone(),
-        );
-        let receipts_delivered = Counter::default();
-        registry.register(
-            "outbox_receipts_delivered",
-            "Ride receipts the outbox drain delivered",
-            receipts_delivered.clone(),
-        );
-        let jobs_failed = Counter::default();
-        registry.register(
-            "outbox_jobs_failed",
-            "Staged jobs that could not be run and were moved to failed_jobs",
-            jobs_failed.clone(),
-        );
-        let keys_reaped = Counter::default();
-        registry.register(
-            "reaper_keys_deleted",
-            "Finished keys the reaper deleted",
-            keys_reaped.clone(),
-        );
-        let unfinished_keys = Gauge::default();
-        registry.register(
-            "idempotency_keys_unfinished",
-            "Keys not yet finished, across all processes (read at scrape time)",
-            unfinished_keys.clone(),
-        );
-        let pool_connections = Family::<StateLabel, Gauge>::default();
-        registry.register(
-            "db_pool_connections",
-            "This process's database connections, in use or idle (read at scrape time)",
-            pool_connections.clone(),
-        );
+        let mut r = Registry::default();
+        let inner = Inner {
+            http_requests: add(
+                &mut r,
+                "http_requests",
+                "HTTP requests answered, by method, route template and status",
+                Family::<HttpLabels, Counter>::default(),
+            ),
+            http_duration: seconds(
+                &mut r,
+                "http_request_duration",
+                "Time to answer an HTTP request, by method, route template and status",
+                Family::new_with_constructor(seconds_histogram),
+            ),
+            requests_shed: add(
+                &mut r,
+                "http_requests_shed",
+                "Requests answered 503 at once because as many were in flight as the server takes",
+                Counter::default(),
+            ),
+            requests_timed_out: add(
+                &mut r,
+                "http_requests_timed_out",
+                "Requests answered 503 because they ran past the request deadline",
+                Counter::default(),
+            ),
+            connections_open: add(
+                &mut r,
+                "http_connections_open",
+                "Connections open now",
+                Gauge::default(),
+            ),
+            connections_refused: add(
+                &mut r,
+                "http_connections_refused",
+                "Connections answered 503 and closed because as many were open as the server takes",
+                Counter::default(),
+            ),
+            claims: add(
+                &mut r,
+                "idempotency_claims",
+                "Claims of idempotency keys, by outcome",
+                Family::<OutcomeLabel, Counter>::default(),
+            ),
+            claim_duration: seconds(
+                &mut r,
+                "idempotency_claim_duration",
+                "Time of one claim: the read of the key and, for a new or abandoned key, the write that \
+                 claims it (a new key's insert opens the transaction of its first phase)",
+                seconds_histogram(),
+            ),
+            phase_duration: seconds(
+                &mut r,
+                "booking_phase_duration",
+                "Time of one atomic phase of a booking, from its first statement to its commit, by the \
+                 recovery point it commits",
+                Family::new_with_constructor(seconds_histogram),
+            ),
+            gateway_duration: seconds(
+                &mut r,
+                "gateway_call_duration",
+                "Time of one call to the payment gateway, by call",
+                Family::new_with_constructor(seconds_histogram),
+            ),
+            charges: add(
+                &mut r,
+                "gateway_charges",
+                "Calls to the gateway's charge endpoint, by outcome",
+                Family::<OutcomeLabel, Counter>::default(),
+            ),
+            reconciliations: add(
+                &mut r,
+                "gateway_reconciliations",
+                "Lists of a customer's charges made because the gateway key could not be trusted, by \
+                 outcome",
+                Family::<OutcomeLabel, Counter>::default(),
+            ),
+            payments_refused: add(
+                &mut r,
+                "payments_refused",
+                "Requests finished with 502 because the gateway refused the charge for good",
+                Counter::default(),
+            ),
+            leases_lost: add(
+                &mut r,
+                "idempotency_leases_lost",
+                "Requests stopped because another holder took their key over",
+                Counter::default(),
+            ),
+            completer: add(
+                &mut r,
+                "completer_keys",
+                "Keys the completer claimed, and how each attempt ended",
+                Family::<OutcomeLabel, Counter>::default(),
+            ),
+            receipts_delivered: add(
+                &mut r,
+                "outbox_receipts_delivered",
+                "Ride receipts the outbox drain delivered",
+                Counter::default(),
+            ),
+            jobs_failed: add(
+                &mut r,
+                "outbox_jobs_failed",
+                "Staged jobs that could not be run and were moved to failed_jobs",
+                Counter::default(),
+            ),
+            keys_reaped: add(
+                &mut r,
+                "reaper_keys_deleted",
+                "Finished keys the reaper deleted",
+                Counter::default(),
+            ),
+            unfinished_keys: add(
+                &mut r,
+                "idempotency_keys_unfinished",
+                "Keys not yet finished, across all processes (read at scrape time)",
+                Gauge::default(),
+            ),
+            pool_connections: add(
+                &mut r,
+                "db_pool_connections",
+                "This process's database connections, in use or idle (read at scrape time)",
+                Family::<StateLabel, Gauge>::default(),
+            ),
+            registry: r,
+        };
         // Known outcomes start at zero.
         for (family, names) in [
-            (&claims, &CLAIM_OUTCOMES[..]),
-            (&charges, &CHARGE_OUTCOMES[..]),
-            (&reconciliations, &RECONCILIATIONS[..]),
-            (&completer, &COMPLETER_OUTCOMES[..]),
+            (&inner.claims, &CLAIM_OUTCOMES[..]),
+            (&inner.charges, &CHARGE_OUTCOMES[..]),
+            (&inner.reconciliations, &RECONCILIATIONS[..]),
+            (&inner.completer, &COMPLETER_OUTCOMES[..]),
         ] {
             for outcome in names {
                 drop(family.get_or_create(&OutcomeLabel { outcome }));
             }
         }
-        Self(Arc::new(Inner {
-            registry,
-            http_requests,
-            http_duration,
-            requests_shed,
-            requests_timed_out,
-            connections_open,
-            connections_refused,
-            claims,
-            claim_duration,
-            phase_duration,
-            gateway_duration,
-            charges,
-            reconciliations,
-            payments_refused,
-            leases_lost,
-            completer,
-            receipts_delivered,
-            jobs_failed,
-            keys_reaped,
-            unfinished_keys,
-            pool_connections,
-        }))
+        Self(Arc::new(inner))
     }
+}
+
+/// Registers `metric` under `name` and hands it back, to keep.
+fn add<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+/// Registers `metric`, measured in seconds, under `name` and hands it back, to keep.
+fn seconds<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register_with_unit(name, help, Unit::Seconds, metric.clone());
+    metric
 }
 
 impl Metrics {

@@ -26,9 +26,14 @@ const CLAIM_ROUNDS: usize = 3;
 /// another transaction holds the same key, uncommitted: the request is in flight.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 
-/// PostgreSQL's `foreign_key_violation`: while an expired key's row is deleted, a row of another
-/// table still references it under a foreign key that forbids the delete.
+/// PostgreSQL's `foreign_key_violation`: a key's row is deleted (expired, abandoned) while a row
+/// of another table still references it under a foreign key that forbids the delete.
 const FOREIGN_KEY_VIOLATION: &str = "23503";
+
+/// Whether `e` is a delete that the application's foreign keys refused.
+pub(super) fn is_referenced(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some(FOREIGN_KEY_VIOLATION))
+}
 
 /// Why an expired key is refused when a row still references it: the claim's error says this,
 /// after the key, and changes nothing.
@@ -559,10 +564,7 @@ impl Store {
 /// The error of a claim that could not replace an expired key: the delete, or the commit of a
 /// transaction whose deferred foreign keys refuse it.
 fn expiry_error(req: &NewRequest<'_>, expired: Expired, e: sqlx::Error) -> Error {
-    let referenced = matches!(
-        &e,
-        sqlx::Error::Database(d) if d.code().as_deref() == Some(FOREIGN_KEY_VIOLATION)
-    );
+    let referenced = is_referenced(&e);
     let context = format!(
         "expire key {:?} of user {} (row {}, finished at {} and past the retention)",
         req.key.as_str(),

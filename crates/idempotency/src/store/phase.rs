@@ -7,6 +7,7 @@ use sqlx::types::Json;
 use sqlx::{PgConnection, Postgres, Row, Transaction};
 use time::OffsetDateTime;
 
+use super::claim::is_referenced;
 use super::model::{Lease, RecoveryPoint, Store};
 use crate::lease::{writing, LEASE_LOG};
 use crate::observe::Observed;
@@ -445,10 +446,6 @@ pub enum Abandoned {
     Deleted,
     /// Rows of the application reference the key: it was released, and keeps its payload.
     Released,
-}
-
-fn is_referenced(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("23503"))
 }
 
 /// The statement that finishes a key: the response stored, the lease released, and the key's
