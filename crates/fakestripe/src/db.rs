@@ -79,16 +79,14 @@ async fn create_schema(options: &PgConnectOptions) -> Result<(), Error> {
     conn.close().await.map_err(Error::db(context()))
 }
 
-/// Applies the idempotency crate's migrations, then fakestripe's, in the pool's schema.
+/// Applies the idempotency crate's migrations and fakestripe's, in the pool's schema, in the
+/// order of their versions (`idempotency::migrate_with`), so that `charges` references
+/// `idempotency_keys` as each version of the crate's table allows.
 ///
 /// The crate keeps its own bookkeeping (`idempotency_schema_migrations`), so sqlx's table holds
-/// only fakestripe's. The crate's run first, so that `charges` can reference `idempotency_keys`.
+/// only fakestripe's.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
-    idempotency::migrate(pool).await?;
-    sqlx::migrate!("./migrations")
-        .run(pool)
-        .await
-        .map_err(Error::Migrate)
+    Ok(idempotency::migrate_with(pool, &sqlx::migrate!("./migrations")).await?)
 }
 
 /// The account of a secret key, created on first use.
@@ -273,8 +271,8 @@ pub(crate) async fn insert_charge(
     let id = ids::charge();
     let row = sqlx::query(&format!(
         "INSERT INTO charges (id, account_id, customer_id, amount, currency, description,
-                              metadata, status, idempotency_key_id)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                              metadata, status, idempotency_key_id, key_owner)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $2::text)
          RETURNING {CHARGE_COLUMNS}"
     ))
     .bind(&id)

@@ -35,7 +35,7 @@
 use axum::response::Response;
 use http::HeaderMap;
 use idempotency::{
-    Begun as Claimed, Claim, Fingerprint, FirstPhase, IdempotencyKey, Lease, NewRequest,
+    Begun as Claimed, Claim, Fingerprint, FirstPhase, IdempotencyKey, Lease, NewRequest, Owner,
     StoredResponse,
 };
 use serde_json::Value;
@@ -149,8 +149,9 @@ pub(crate) async fn begin(
     let Some(key) = key else {
         return Ok(Begun::Run(Work::Unkeyed));
     };
+    let owner = Owner::from(account_id);
     let request = NewRequest {
-        user_id: account_id,
+        owner: &owner,
         method: "POST",
         route,
         key,

@@ -26,7 +26,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use http::request::Parts;
 use http::{header, StatusCode};
-use idempotency::{DatabaseClock, Store};
+use idempotency::{DatabaseClock, Owner, Store};
 use idempotency_axum::{ClaimedKey, IdempotencyLayer, KeyTransaction, Problem};
 use serde::Deserialize;
 use serde_json::json;
@@ -59,7 +59,7 @@ fn idempotency(store: Store) -> IdempotencyLayer {
 /// Whose request it is, from `X-User-Id`: a stand-in for authentication, which this example
 /// does not do. A real service reads the user that its authentication middleware put in the
 /// request's extensions, and refuses the request (401) without one.
-fn user_of(parts: &Parts) -> Result<i64, StatusCode> {
+fn user_of(parts: &Parts) -> Result<Owner, StatusCode> {
     parts
         .headers
         .get("x-user-id")
@@ -88,12 +88,12 @@ async fn deposit(
     // Only the caller's own account: another user's id finds nothing, as an unknown one does.
     let balance: Option<i64> = sqlx::query_scalar(
         "UPDATE deposit_accounts SET balance_cents = balance_cents + $1
-         WHERE id = $2 AND user_id = $3
+         WHERE id = $2 AND owner = $3
          RETURNING balance_cents",
     )
     .bind(amount)
     .bind(account)
-    .bind(claimed.user_id())
+    .bind(claimed.owner().as_str())
     .fetch_optional(&mut *conn)
     .await
     .map_err(db_failed)?;
@@ -146,7 +146,7 @@ async fn create_schema(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> 
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS deposit_accounts (
              id BIGINT PRIMARY KEY,
-             user_id BIGINT NOT NULL,
+             owner TEXT NOT NULL,
              balance_cents BIGINT NOT NULL
          );
          CREATE TABLE IF NOT EXISTS deposits (
@@ -155,7 +155,7 @@ async fn create_schema(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> 
              amount_cents BIGINT NOT NULL,
              key_id BIGINT UNIQUE REFERENCES idempotency_keys (id) ON DELETE SET NULL
          );
-         INSERT INTO deposit_accounts VALUES (1, 7, 0) ON CONFLICT (id) DO NOTHING;",
+         INSERT INTO deposit_accounts VALUES (1, '7', 0) ON CONFLICT (id) DO NOTHING;",
     )
     .execute(pool)
     .await?;

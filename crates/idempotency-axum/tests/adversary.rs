@@ -150,7 +150,9 @@ async fn transactional_bank(
     let store = Store::new(pool.clone(), clock, Duration::from_secs(5)).unwrap();
     let app = Router::new()
         .route("/deposits", post(deposit))
-        .route_layer(IdempotencyLayer::new(store, |_| Ok(1)).transactional())
+        .route_layer(
+            IdempotencyLayer::new(store, |_| Ok(idempotency::Owner::from(1))).transactional(),
+        )
         .with_state(bank.clone());
     (app, bank)
 }
@@ -359,7 +361,9 @@ async fn a_renewal_stuck_on_an_exhausted_pool_runs_the_handler_twice_at_once(poo
             .unwrap();
         Router::new()
             .route("/deposits", post(notify))
-            .route_layer(IdempotencyLayer::new(store, |_| Ok(1)))
+            .route_layer(IdempotencyLayer::new(store, |_| {
+                Ok(idempotency::Owner::from(1))
+            }))
             .with_state(effects.clone())
     };
     let (one, two) = (process(small.clone()), process(pool.clone()));

@@ -206,7 +206,7 @@ fn layer_for(pool: &PgPool) -> IdempotencyLayer {
         Duration::from_secs(30),
     )
     .unwrap();
-    IdempotencyLayer::new(store, |_| Ok(1))
+    IdempotencyLayer::new(store, |_| Ok(idempotency::Owner::from(1)))
 }
 
 async fn post_with(app: &Router, path: &str, key: &str, body: Body) -> Response {
@@ -485,7 +485,8 @@ fn slow_handler_app(
         Duration::from_secs(30),
     )
     .unwrap();
-    let layer = IdempotencyLayer::new(store, |_| Ok(1)).with_heartbeat(Duration::from_millis(20));
+    let layer = IdempotencyLayer::new(store, |_| Ok(idempotency::Owner::from(1)))
+        .with_heartbeat(Duration::from_millis(20));
     let (calls, gate, entered) = (
         Arc::new(AtomicUsize::new(0)),
         Arc::new(tokio::sync::Notify::new()),
@@ -654,7 +655,7 @@ async fn a_raw_body_stored_under_the_old_fingerprint_still_replays(pool: PgPool)
     let key = idempotency::IdempotencyKey::parse(b"k1").unwrap();
     let claim = store
         .claim::<idempotency::OneStep>(idempotency::NewRequest {
-            user_id: 1,
+            owner: &idempotency::Owner::from(1),
             method: "POST",
             route: "/orders",
             key: &key,
@@ -917,7 +918,7 @@ async fn header_names_and_per_delivery_headers_are_refused_as_stored_headers(poo
 struct Seen {
     key_id: i64,
     request_uuid: idempotency::Uuid,
-    user_id: i64,
+    owner: String,
     key: String,
     attempt: i32,
 }
@@ -937,7 +938,7 @@ async fn the_handler_sees_its_claimed_key_and_its_uuid_survives_a_retry(pool: Pg
                     seen.lock().unwrap().push(Seen {
                         key_id: claimed.key_id(),
                         request_uuid: claimed.request_uuid(),
-                        user_id: claimed.user_id(),
+                        owner: claimed.owner().to_string(),
                         key: claimed.key().as_str().to_owned(),
                         attempt: claimed.attempt(),
                     });
@@ -974,8 +975,8 @@ async fn the_handler_sees_its_claimed_key_and_its_uuid_survives_a_retry(pool: Pg
         "the key row's own"
     );
     assert_eq!(
-        (first.user_id, first.key.as_str(), first.attempt),
-        (1, "k1", 1)
+        (first.owner.as_str(), first.key.as_str(), first.attempt),
+        ("1", "k1", 1)
     );
     assert_eq!(
         (retry.key_id, retry.request_uuid, retry.attempt),

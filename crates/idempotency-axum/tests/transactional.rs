@@ -143,7 +143,7 @@ async fn schema(pool: &PgPool) {
 
 fn layer(pool: &PgPool, clock: Arc<dyn Clock>) -> IdempotencyLayer {
     let store = Store::new(pool.clone(), clock, Duration::from_secs(30)).unwrap();
-    IdempotencyLayer::new(store, |_| Ok(1))
+    IdempotencyLayer::new(store, |_| Ok(idempotency::Owner::from(1)))
 }
 
 /// The deposit route in the transactional mode, over a fresh schema.

@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotency::{
-    Begun, Claim, Completer, DatabaseClock, Fingerprint, IdempotencyKey, Lease, NewRequest,
+    Begun, Claim, Completer, DatabaseClock, Fingerprint, IdempotencyKey, Lease, NewRequest, Owner,
     RecoveryPoint, Resumed, Store, StoredResponse,
 };
 use serde::Deserialize;
@@ -96,10 +96,11 @@ struct App {
     notifier: Notifier,
 }
 
-/// A transfer request, with `Idempotency-Key`, from `user`, out of account `from`.
+/// A transfer request, with `Idempotency-Key`, from `owner` (whom the authentication names),
+/// out of account `from`.
 async fn transfer(
     app: &App,
-    user: i64,
+    owner: &Owner,
     from: i64,
     key: &IdempotencyKey,
     body: &Value,
@@ -118,7 +119,7 @@ async fn transfer(
     }
     let params = json!({ "from": from, "to": to, "amount_cents": amount_cents });
     let request = NewRequest {
-        user_id: user,
+        owner,
         method: "POST",
         route: ROUTE,
         key,
@@ -128,7 +129,7 @@ async fn transfer(
     let mut lease = match app.store.begin::<Step>(request, Step::Moved).await? {
         Begun::New(mut first) => {
             let key_id = first.lease().key_id();
-            match move_money(first.conn(), user, key_id, &params).await? {
+            match move_money(first.conn(), owner, key_id, &params).await? {
                 None => first.commit().await?,
                 Some(refused) => {
                     // A final answer too: stored with the key, replayed to every retry.
@@ -163,10 +164,10 @@ async fn advance(app: &App, lease: &mut Lease<Step>) -> Result<StoredResponse, F
         .map_err(|e| Failure::Invalid(format!("stored parameters: {e}")))?;
     if lease.recovery_point() == Step::Started {
         // Only a key claimed without its first phase (Store::claim) is found here.
-        let (user, stored) = (lease.user_id(), lease.params().clone());
+        let (owner, stored) = (lease.owner().clone(), lease.params().clone());
         let mut phase = app.store.phase(lease, Step::Moved).await?;
         let key_id = phase.key_id();
-        if let Some(refused) = move_money(phase.conn(), user, key_id, &stored).await? {
+        if let Some(refused) = move_money(phase.conn(), &owner, key_id, &stored).await? {
             drop(phase);
             app.store.final_phase(lease).await?.finish(&refused).await?;
             return Ok(refused);
@@ -202,12 +203,12 @@ async fn advance(app: &App, lease: &mut Lease<Step>) -> Result<StoredResponse, F
     Ok(answer)
 }
 
-/// Debits `from` (only if it is the user's and holds enough), credits `to` and records the
+/// Debits `from` (only if it is the owner's and holds enough), credits `to` and records the
 /// transfer under the key. A refusal to store instead, with nothing written, when `to` does not
 /// exist or the funds are short.
 async fn move_money(
     conn: &mut PgConnection,
-    user: i64,
+    owner: &Owner,
     key_id: i64,
     params: &Value,
 ) -> Result<Option<StoredResponse>, idempotency::Error> {
@@ -242,7 +243,7 @@ async fn move_money(
          WHERE id = $1 AND owner_id = $2 AND balance_cents >= $3",
     )
     .bind(from)
-    .bind(user)
+    .bind(owner.as_str())
     .bind(amount)
     .execute(&mut *conn)
     .await
@@ -295,7 +296,7 @@ async fn create_schema(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> 
     idempotency::migrate(pool).await?;
     for statement in [
         "CREATE TABLE IF NOT EXISTS example_accounts (
-             id BIGINT PRIMARY KEY, owner_id BIGINT NOT NULL,
+             id BIGINT PRIMARY KEY, owner_id TEXT NOT NULL,
              balance_cents BIGINT NOT NULL CHECK (balance_cents >= 0))",
         // A key past its retention may be deleted: the transfer outlives it.
         "CREATE TABLE IF NOT EXISTS example_transfers (
@@ -384,12 +385,13 @@ fn report(what: &str, outcome: Result<StoredResponse, Failure>) {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let alice = || Owner::new("alice").expect("a valid owner");
     let url =
         std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL to a PostgreSQL database")?;
     let pool = PgPool::connect(&url).await?;
     create_schema(&pool).await?;
     sqlx::query(
-        "INSERT INTO example_accounts VALUES (1, 7, 10000), (2, 8, 0) ON CONFLICT (id) DO NOTHING",
+        "INSERT INTO example_accounts VALUES (1, 'alice', 10000), (2, 'bob', 0) ON CONFLICT (id) DO NOTHING",
     )
     .execute(&pool)
     .await?;
@@ -406,7 +408,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     app.notifier.0.lock().unwrap().fault = Some(Fault::Down);
     report(
         "the client's first try",
-        transfer(&app, 7, 1, &key, &body).await,
+        transfer(&app, &alice(), 1, &key, &body).await,
     );
     let pass = complete_abandoned(&app, Duration::ZERO).await?;
     println!(
@@ -415,7 +417,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     report(
         "the client's retry",
-        transfer(&app, 7, 1, &key, &body).await,
+        transfer(&app, &alice(), 1, &key, &body).await,
     );
     println!("notifications sent: {}", app.notifier.sent());
     Ok(())
@@ -429,9 +431,14 @@ mod tests {
     const TTL: Duration = Duration::from_secs(30);
     const GRACE: Duration = Duration::from_secs(60);
 
+    /// The owner of account 1, as the authentication would name her.
+    fn alice() -> Owner {
+        Owner::new("alice").unwrap()
+    }
+
     async fn app(pool: &PgPool) -> (App, ManualClock) {
         create_schema(pool).await.unwrap();
-        sqlx::query("INSERT INTO example_accounts VALUES (1, 7, 10000), (2, 8, 0)")
+        sqlx::query("INSERT INTO example_accounts VALUES (1, 'alice', 10000), (2, 'bob', 0)")
             .execute(pool)
             .await
             .unwrap();
@@ -469,7 +476,7 @@ mod tests {
         let dying = {
             let app = app.clone();
             let body = body.clone();
-            tokio::spawn(async move { transfer(&app, 7, 1, &key("crash"), &body).await })
+            tokio::spawn(async move { transfer(&app, &alice(), 1, &key("crash"), &body).await })
         };
         // The money moves, then the call hangs: the process dies there.
         app.notifier.1.notified().await;
@@ -489,7 +496,9 @@ mod tests {
             "one notification, whatever the crash"
         );
         assert_eq!(balances(&pool).await, (7500, 2500), "the money moved once");
-        let replay = transfer(&app, 7, 1, &key("crash"), &body).await.unwrap();
+        let replay = transfer(&app, &alice(), 1, &key("crash"), &body)
+            .await
+            .unwrap();
         assert_eq!(replay.status, 201);
     }
 
@@ -508,10 +517,10 @@ mod tests {
         let (app, _clock) = app(&pool).await;
         app.notifier.0.lock().unwrap().fault = Some(Fault::Down);
         let body = json!({"to": 2, "amount_cents": 2500});
-        let first = transfer(&app, 7, 1, &key("k"), &body).await;
+        let first = transfer(&app, &alice(), 1, &key("k"), &body).await;
         assert!(matches!(first, Err(Failure::Unavailable)), "{first:?}");
-        let second = transfer(&app, 7, 1, &key("k"), &body).await.unwrap();
-        let third = transfer(&app, 7, 1, &key("k"), &body).await.unwrap();
+        let second = transfer(&app, &alice(), 1, &key("k"), &body).await.unwrap();
+        let third = transfer(&app, &alice(), 1, &key("k"), &body).await.unwrap();
         assert_eq!((second.status, &second.body), (201, &third.body));
         assert_eq!(
             (balances(&pool).await, app.notifier.sent()),
@@ -520,7 +529,7 @@ mod tests {
         // The same key with another payload changes nothing.
         let swapped = transfer(
             &app,
-            7,
+            &alice(),
             1,
             &key("k"),
             &json!({"to": 2, "amount_cents": 9000}),
@@ -536,7 +545,7 @@ mod tests {
         let body = json!({"to": 2, "amount_cents": 100});
         let sends = (0..16).map(|_| {
             let (app, body) = (app.clone(), body.clone());
-            tokio::spawn(async move { transfer(&app, 7, 1, &key("dup"), &body).await })
+            tokio::spawn(async move { transfer(&app, &alice(), 1, &key("dup"), &body).await })
         });
         let mut created = 0;
         for send in sends {
@@ -560,16 +569,20 @@ mod tests {
     async fn short_funds_are_a_final_answer_and_bad_input_writes_nothing(pool: PgPool) {
         let (app, _clock) = app(&pool).await;
         let much = json!({"to": 2, "amount_cents": 20000});
-        let refused = transfer(&app, 7, 1, &key("much"), &much).await.unwrap();
+        let refused = transfer(&app, &alice(), 1, &key("much"), &much)
+            .await
+            .unwrap();
         assert_eq!(refused.status, 402);
         assert_eq!(
-            transfer(&app, 7, 1, &key("much"), &much).await.unwrap(),
+            transfer(&app, &alice(), 1, &key("much"), &much)
+                .await
+                .unwrap(),
             refused
         );
-        // Not the user's account: refused the same way, and nothing moves.
+        // Not the owner's account: refused the same way, and nothing moves.
         let theirs = transfer(
             &app,
-            7,
+            &alice(),
             2,
             &key("theirs"),
             &json!({"to": 1, "amount_cents": 1}),
@@ -578,7 +591,7 @@ mod tests {
         assert_eq!(theirs.unwrap().status, 402);
         // To an account that does not exist: refused, and nothing is debited.
         let nowhere = json!({"to": 99, "amount_cents": 1});
-        let refused = transfer(&app, 7, 1, &key("nowhere"), &nowhere).await;
+        let refused = transfer(&app, &alice(), 1, &key("nowhere"), &nowhere).await;
         assert_eq!(refused.unwrap().status, 422);
         for bad in [
             json!({"to": 2}),
@@ -586,7 +599,7 @@ mod tests {
             json!({"to": 1, "amount_cents": 5}),
         ] {
             assert!(matches!(
-                transfer(&app, 7, 1, &key("bad"), &bad).await,
+                transfer(&app, &alice(), 1, &key("bad"), &bad).await,
                 Err(Failure::Invalid(_))
             ));
         }

@@ -53,6 +53,7 @@ mod key;
 pub mod lease;
 pub mod migrate;
 pub mod observe;
+mod owner;
 mod response;
 pub mod runner;
 mod store;
@@ -63,8 +64,9 @@ pub use error::Error;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
 pub use lease::LEASE_LOG;
-pub use migrate::{migrate, MIGRATIONS_TABLE};
+pub use migrate::{migrate, migrate_with, MIGRATIONS_TABLE};
 pub use observe::{ClaimOutcome, Observer};
+pub use owner::{Owner, OwnerError, MAX_OWNER_LEN};
 pub use response::StoredResponse;
 pub use runner::{Completer, Pass, Reaper, Resumed};
 pub use store::{

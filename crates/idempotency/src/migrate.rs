@@ -21,9 +21,9 @@
 //! Several processes may migrate at once: a transaction-level advisory lock makes them take
 //! turns, and all of a run's migrations commit with their bookkeeping rows in one transaction.
 
-use sqlx::migrate::{Migration, MigrationType};
-use sqlx::postgres::{PgPool, Postgres};
-use sqlx::{Executor, Row, Transaction};
+use sqlx::migrate::{Migrate, MigrateError, Migration, MigrationType, Migrator};
+use sqlx::postgres::{PgConnection, PgPool, Postgres};
+use sqlx::{Connection, Executor, Row, Transaction};
 
 use crate::Error;
 
@@ -34,12 +34,97 @@ pub const MIGRATIONS_TABLE: &str = "idempotency_schema_migrations";
 const LOCK: i64 = 0x6964_656d_706f_7465;
 
 /// Creates or upgrades the crate's tables in the database behind `pool`. Run it before the
-/// application's own migrations, whose tables may reference `idempotency_keys (user_id, id)`.
+/// application's own migrations, whose tables may reference `idempotency_keys (owner, id)`; or
+/// run both with [`migrate_with`], which an upgrade that changes what they reference needs.
 /// Migrations already applied are checked against the crate's files, and refused if they differ.
 ///
 /// Everything happens in one transaction on one connection, behind a transaction-level advisory
 /// lock: all of it commits, or nothing does, and concurrent migrators take turns.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    let mut conn = pool
+        .acquire()
+        .await
+        .map_err(Error::db("apply the idempotency migrations"))?;
+    apply_ours(&mut conn, None).await
+}
+
+/// Runs the crate's migrations and the application's `app` in the order of their versions, the
+/// crate's first on a tie, as if they were one directory, and records each in its own table (the
+/// application's in sqlx's `_sqlx_migrations`, as `app.run` would).
+///
+/// An application needs this order when the crate changes something the application's rows
+/// reference. Version 20261202000001 of the crate turns the owner into text, and refuses while a
+/// foreign key references it as `bigint`: the application drops that foreign key in a migration
+/// of a lower version and re-creates it on a text column in one of a higher version, and each
+/// runs on its side of the crate's, on a database of any age (a new one too, whose old
+/// migrations still create the `bigint` reference first).
+///
+/// A crate migration is applied before the first pending application migration of a higher
+/// version; on an existing database, it follows the application's migrations already applied,
+/// whatever their versions. The crate's migrations run as [`migrate`] runs them, in a transaction
+/// of their own; the application's as sqlx runs them, each in its own unless it asks for none
+/// (`-- no-transaction`). sqlx's advisory lock is held throughout, so concurrent
+/// `migrate_with`s take turns. Applied application migrations are checked against `app`'s
+/// files before anything is applied, and `app.run` checks the rest at the end.
+///
+/// ```no_run
+/// # async fn run(pool: sqlx::PgPool) -> Result<(), idempotency::Error> {
+/// idempotency::migrate_with(&pool, &sqlx::migrate!("./migrations")).await?;
+/// # Ok(())
+/// # }
+/// ```
+pub async fn migrate_with(pool: &PgPool, app: &Migrator) -> Result<(), Error> {
+    let app_error = |e: MigrateError| Error::Migration(format!("application migrations: {e}"));
+    let mut conn = pool
+        .acquire()
+        .await
+        .map_err(Error::db("migrate the idempotency and application tables"))?;
+    conn.lock().await.map_err(app_error)?;
+    let outcome = interleave(&mut conn, app).await;
+    // Released before the outcome is told, success or not; a failed release leaves the lock to
+    // the connection's end.
+    let unlocked = conn.unlock().await.map_err(app_error);
+    outcome.and(unlocked)?;
+    drop(conn);
+    // What sqlx itself checks of the applied ones (a missing migration, unless the application
+    // allows it), on a connection of the pool's; nothing is left for it to apply.
+    app.run(pool).await.map_err(app_error)
+}
+
+async fn interleave(conn: &mut PgConnection, app: &Migrator) -> Result<(), Error> {
+    let app_error = |e: MigrateError| Error::Migration(format!("application migrations: {e}"));
+    // Earlier versions of the crate recorded theirs in sqlx's table: adopted before that table
+    // is read as the application's.
+    apply_ours(conn, Some(i64::MIN)).await?;
+    conn.ensure_migrations_table().await.map_err(app_error)?;
+    if let Some(version) = conn.dirty_version().await.map_err(app_error)? {
+        return Err(app_error(MigrateError::Dirty(version)));
+    }
+    let applied = conn.list_applied_migrations().await.map_err(app_error)?;
+    let mut pending = Vec::new();
+    for migration in app.iter() {
+        if migration.migration_type.is_down_migration() {
+            continue;
+        }
+        match applied.iter().find(|a| a.version == migration.version) {
+            Some(a) if a.checksum != migration.checksum => {
+                return Err(app_error(MigrateError::VersionMismatch(migration.version)));
+            }
+            Some(_) => {}
+            None => pending.push(migration),
+        }
+    }
+    pending.sort_by_key(|m| m.version);
+    for migration in pending {
+        apply_ours(conn, Some(migration.version)).await?;
+        conn.apply(migration).await.map_err(app_error)?;
+    }
+    apply_ours(conn, None).await
+}
+
+/// Applies the crate's pending migrations of a version below `below` (all of them when `None`)
+/// in one transaction, after adopting what earlier versions recorded in sqlx's table.
+async fn apply_ours(conn: &mut PgConnection, below: Option<i64>) -> Result<(), Error> {
     let migrator = sqlx::migrate!("./migrations");
     let ours: Vec<&Migration> = migrator
         .iter()
@@ -54,7 +139,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
         )));
     }
     let context = "apply the idempotency migrations";
-    let mut tx = pool.begin().await.map_err(Error::db(context))?;
+    let mut tx = conn.begin().await.map_err(Error::db(context))?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(LOCK)
         .execute(&mut *tx)
@@ -87,6 +172,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
         match done {
             Some(row) if row.get::<Vec<u8>, _>("checksum") == *migration.checksum => {}
             Some(_) => return Err(changed(migration)),
+            None if below.is_some_and(|below| migration.version >= below) => {}
             None => run(&mut tx, migration).await?,
         }
     }
@@ -95,7 +181,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 
 /// Moves the crate's entries of `_sqlx_migrations`, as earlier versions recorded them, to its
 /// own table.
-async fn adopt(tx: &mut Transaction<'static, Postgres>, ours: &[&Migration]) -> Result<(), Error> {
+async fn adopt(tx: &mut Transaction<'_, Postgres>, ours: &[&Migration]) -> Result<(), Error> {
     // sqlx's table of this schema only, the one the crate's tables are created in: a table of
     // that name further down the search path is another application's bookkeeping.
     let table: Option<String> = sqlx::query_scalar(
@@ -177,7 +263,7 @@ async fn adopt(tx: &mut Transaction<'static, Postgres>, ours: &[&Migration]) -> 
 }
 
 /// Applies one migration and records it, in the migrator's transaction.
-async fn run(tx: &mut Transaction<'static, Postgres>, migration: &Migration) -> Result<(), Error> {
+async fn run(tx: &mut Transaction<'_, Postgres>, migration: &Migration) -> Result<(), Error> {
     let context = || {
         format!(
             "apply idempotency migration {} ({})",

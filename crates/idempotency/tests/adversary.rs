@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use idempotency::{
     Abandoned, Claim, Completer, DatabaseClock, Error, Fingerprint, IdempotencyKey, Lease,
-    ManualClock, NewRequest, OffsetDateTime, OneStep, Resumed, Store, StoredResponse,
+    ManualClock, NewRequest, OffsetDateTime, OneStep, Owner, Resumed, Store, StoredResponse,
 };
 use serde_json::{json, Value};
 use sqlx::postgres::PgPoolOptions;
@@ -25,9 +25,9 @@ fn key(s: &str) -> IdempotencyKey {
     IdempotencyKey::parse(s.as_bytes()).unwrap()
 }
 
-fn request<'a>(user_id: i64, key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
+fn request<'a>(owner: &'a Owner, key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
     NewRequest {
-        user_id,
+        owner,
         method: "POST",
         route: ROUTE,
         key,
@@ -101,7 +101,12 @@ async fn a_renewal_stuck_on_an_exhausted_pool_lets_the_call_outlive_its_lease(po
     let (k, body) = (key("stuck-renewal"), json!({"cents": 500}));
 
     let claimed_at = Instant::now();
-    let mut lease = acquired(holder.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        holder
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     // Load: the pool's one connection is busy for 5 s.
     let hog = small.acquire().await.unwrap();
     tokio::spawn(async move {
@@ -122,7 +127,10 @@ async fn a_renewal_stuck_on_an_exhausted_pool_lets_the_call_outlive_its_lease(po
     let (o, k2, b2) = (other.clone(), k.clone(), body.clone());
     let takeover = tokio::spawn(async move {
         tokio::time::sleep(TTL + Duration::from_millis(400)).await;
-        let claim = o.claim::<OneStep>(request(1, &k2, &b2)).await.unwrap();
+        let claim = o
+            .claim::<OneStep>(request(&Owner::from(1), &k2, &b2))
+            .await
+            .unwrap();
         (matches!(claim, Claim::Acquired(_)), Instant::now())
     });
 
@@ -171,7 +179,12 @@ async fn renewals_that_fail_fast_stop_the_call_before_the_lease_ends(pool: PgPoo
         .unwrap();
     let (k, body) = (key("fast-failure"), json!({"cents": 500}));
     let claimed_at = Instant::now();
-    let mut lease = acquired(holder.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        holder
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let hog = small.acquire().await.unwrap();
     let effects = Arc::new(AtomicUsize::new(0));
     let e = effects.clone();
@@ -217,7 +230,12 @@ async fn a_call_finishing_as_its_lease_is_lost_leaves_the_stale_holder_unable_to
         .with_heartbeat(Duration::from_millis(100))
         .unwrap();
     let (k, body) = (key("photo-finish"), json!({"cents": 500}));
-    let mut stale = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut stale = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let slot: Arc<Mutex<Option<Lease<OneStep>>>> = Arc::default();
     let (other, k2, b2, put) = (store.clone(), k.clone(), body.clone(), slot.clone());
     // Whichever wins the photo finish (the call's end or the renewal's loss) is acceptable;
@@ -225,7 +243,12 @@ async fn a_call_finishing_as_its_lease_is_lost_leaves_the_stale_holder_unable_to
     let _outcome = store
         .call_under_lease(&mut stale, async move {
             clock.advance(TTL + Duration::from_secs(1));
-            let fresh = acquired(other.claim(request(1, &k2, &b2)).await.unwrap());
+            let fresh = acquired(
+                other
+                    .claim(request(&Owner::from(1), &k2, &b2))
+                    .await
+                    .unwrap(),
+            );
             *put.lock().unwrap() = Some(fresh);
             // Finish just as the next beat is due.
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -236,7 +259,12 @@ async fn a_call_finishing_as_its_lease_is_lost_leaves_the_stale_holder_unable_to
     let taken = slot.lock().unwrap().take();
     let mut fresh = match taken {
         Some(fresh) => fresh,
-        None => acquired(store.claim(request(1, &k, &body)).await.unwrap()),
+        None => acquired(
+            store
+                .claim(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap(),
+        ),
     };
     assert!(matches!(
         store.final_phase(&mut stale).await,
@@ -253,7 +281,7 @@ async fn a_call_finishing_as_its_lease_is_lost_leaves_the_stale_holder_unable_to
     let phase = store.final_phase(&mut fresh).await.unwrap();
     phase.finish(&answer("once")).await.unwrap();
     assert!(matches!(
-        store.claim::<OneStep>(request(1, &k, &body)).await.unwrap(),
+        store.claim::<OneStep>(request(&Owner::from(1), &k, &body)).await.unwrap(),
         Claim::Replay(r) if r.body == b"once"
     ));
 }
@@ -267,7 +295,7 @@ async fn abandoned_keys(store: &Store, n: usize) {
         let (k, body) = (key(&format!("abandoned-{i}")), json!({"i": i}));
         let lease = acquired(
             store
-                .claim(request(1 + (i as i64 % 3), &k, &body))
+                .claim(request(&Owner::from(1 + (i as i64 % 3)), &k, &body))
                 .await
                 .unwrap(),
         );
@@ -446,7 +474,12 @@ async fn a_client_retry_during_the_completers_backoff_wins_and_the_completer_sta
     )
     .unwrap();
     let (k, body) = (key("abandoned-0"), json!({"i": 0}));
-    let lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     store.release(lease).await.unwrap();
     let completer = Completer::new(store.clone(), "POST", ROUTE)
         .grace(Duration::ZERO)
@@ -469,7 +502,12 @@ async fn a_client_retry_during_the_completers_backoff_wins_and_the_completer_sta
         pass.claimed, 0,
         "the completer ignored its backoff: {pass:?}"
     );
-    let mut mine = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut mine = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     store
         .final_phase(&mut mine)
         .await
@@ -491,7 +529,12 @@ const RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 async fn finished(store: &Store, name: &str, body: &Value, answer_body: &str) -> i64 {
     let k = key(name);
-    let mut lease = acquired(store.claim(request(1, &k, body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, body))
+            .await
+            .unwrap(),
+    );
     let id = lease.key_id();
     store
         .final_phase(&mut lease)
@@ -531,11 +574,16 @@ async fn a_key_exactly_at_the_retention_boundary_is_kept_by_both_claim_and_reape
     assert_eq!(store.reap_expired(100).await.unwrap(), 0);
     let k = key("boundary");
     assert!(matches!(
-        store.claim::<OneStep>(request(1, &k, &body)).await.unwrap(),
+        store.claim::<OneStep>(request(&Owner::from(1), &k, &body)).await.unwrap(),
         Claim::Replay(r) if r.body == b"first"
     ));
     clock.advance(Duration::from_micros(1));
-    let lease = acquired(store.claim::<OneStep>(request(1, &k, &body)).await.unwrap());
+    let lease = acquired(
+        store
+            .claim::<OneStep>(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(lease.token(), 1, "a new request");
     assert_eq!(store.reap_expired(100).await.unwrap(), 1);
     assert!(store.find(other).await.unwrap().is_none());
@@ -570,7 +618,7 @@ async fn a_claim_of_an_expired_key_racing_the_reaper_and_another_claim_runs_once
     clock.advance(RETENTION + Duration::from_secs(1));
     let k = key("expiring");
     let first = match store
-        .begin::<OneStep>(request(1, &k, &body), OneStep::Started)
+        .begin::<OneStep>(request(&Owner::from(1), &k, &body), OneStep::Started)
         .await
         .unwrap()
     {
@@ -582,8 +630,11 @@ async fn a_claim_of_an_expired_key_racing_the_reaper_and_another_claim_runs_once
     let reaper = store.clone();
     let reaping = tokio::spawn(async move { reaper.reap_expired(100).await.unwrap() });
     let (s2, k2, b2) = (store.clone(), k.clone(), body.clone());
-    let second =
-        tokio::spawn(async move { s2.claim::<OneStep>(request(1, &k2, &b2)).await.unwrap() });
+    let second = tokio::spawn(async move {
+        s2.claim::<OneStep>(request(&Owner::from(1), &k2, &b2))
+            .await
+            .unwrap()
+    });
     tokio::time::sleep(Duration::from_millis(300)).await;
     let lease = first.commit().await.unwrap();
     let reaped = reaping.await.unwrap();
@@ -624,7 +675,12 @@ async fn a_reaper_with_its_clock_far_ahead_never_deletes_an_unfinished_key(pool:
     let body = json!({"cents": 1});
     let done = finished(&store, "done", &body, "x").await;
     let k = key("open");
-    let open = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let open = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let open_id = open.key_id();
     store.release(open).await.unwrap();
     let ahead = ManualClock::new(OffsetDateTime::now_utc() + Duration::from_secs(100 * 24 * 3600));
@@ -667,7 +723,12 @@ async fn a_takeover_waits_for_an_owned_final_phase_past_its_lease_and_replays_it
     let clock = ManualClock::starting_now();
     let store = Store::new(pool.clone(), Arc::new(clock.clone()), TTL).unwrap();
     let (k, body) = (key("owned"), json!({"cents": 1}));
-    let lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let mut phase = store.final_phase_owned(lease).await.unwrap();
     sqlx::query("INSERT INTO effects VALUES ($1)")
         .bind(phase.lease().key_id())
@@ -675,7 +736,10 @@ async fn a_takeover_waits_for_an_owned_final_phase_past_its_lease_and_replays_it
         .await
         .unwrap();
     clock.advance(TTL + Duration::from_secs(1));
-    let during = store.claim::<OneStep>(request(1, &k, &body)).await.unwrap();
+    let during = store
+        .claim::<OneStep>(request(&Owner::from(1), &k, &body))
+        .await
+        .unwrap();
     assert!(
         matches!(during, Claim::InFlight { .. }),
         "the row is held: {during:?}"
@@ -685,7 +749,10 @@ async fn a_takeover_waits_for_an_owned_final_phase_past_its_lease_and_replays_it
         .await
         .map_err(|(e, _)| e)
         .unwrap();
-    let retried = store.claim::<OneStep>(request(1, &k, &body)).await.unwrap();
+    let retried = store
+        .claim::<OneStep>(request(&Owner::from(1), &k, &body))
+        .await
+        .unwrap();
     assert!(
         matches!(&retried, Claim::Replay(r) if r.body == b"A"),
         "{retried:?}"
@@ -710,11 +777,31 @@ async fn a_stale_holder_can_neither_forget_nor_finish_the_new_holders_key(pool: 
     let store = Store::new(pool.clone(), Arc::new(clock.clone()), TTL).unwrap();
     let body = json!({"cents": 1});
     let (k1, k2) = (key("stale-forget"), key("stale-finish"));
-    let stale1 = acquired(store.claim(request(1, &k1, &body)).await.unwrap());
-    let stale2 = acquired(store.claim(request(1, &k2, &body)).await.unwrap());
+    let stale1 = acquired(
+        store
+            .claim(request(&Owner::from(1), &k1, &body))
+            .await
+            .unwrap(),
+    );
+    let stale2 = acquired(
+        store
+            .claim(request(&Owner::from(1), &k2, &body))
+            .await
+            .unwrap(),
+    );
     clock.advance(TTL + Duration::from_secs(1));
-    let fresh1 = acquired(store.claim(request(1, &k1, &body)).await.unwrap());
-    let fresh2 = acquired(store.claim(request(1, &k2, &body)).await.unwrap());
+    let fresh1 = acquired(
+        store
+            .claim(request(&Owner::from(1), &k1, &body))
+            .await
+            .unwrap(),
+    );
+    let fresh2 = acquired(
+        store
+            .claim(request(&Owner::from(1), &k2, &body))
+            .await
+            .unwrap(),
+    );
     assert!(matches!(
         store.abandon_or_release(stale1).await,
         Err(Error::LeaseLost { .. })
@@ -731,7 +818,7 @@ async fn a_stale_holder_can_neither_forget_nor_finish_the_new_holders_key(pool: 
         let phase = store.final_phase_owned(fresh).await.unwrap();
         phase.finish(&answer("B")).await.unwrap();
         assert!(matches!(
-            store.claim::<OneStep>(request(1, k, &body)).await.unwrap(),
+            store.claim::<OneStep>(request(&Owner::from(1), k, &body)).await.unwrap(),
             Claim::Replay(r) if r.body == b"B"
         ));
     }
@@ -760,7 +847,12 @@ async fn a_referenced_key_that_cannot_be_forgotten_keeps_its_payload(pool: PgPoo
     )
     .unwrap();
     let (k, body) = (key("referenced"), json!({"cents": 1}));
-    let lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let (id, uuid) = (lease.key_id(), lease.request_uuid());
     sqlx::query("INSERT INTO notes VALUES ($1)")
         .bind(id)
@@ -774,12 +866,17 @@ async fn a_referenced_key_that_cannot_be_forgotten_keeps_its_payload(pool: PgPoo
     let other = json!({"cents": 2});
     assert!(matches!(
         store
-            .claim::<OneStep>(request(1, &k, &other))
+            .claim::<OneStep>(request(&Owner::from(1), &k, &other))
             .await
             .unwrap(),
         Claim::Mismatch
     ));
-    let again = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let again = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!((again.key_id(), again.request_uuid()), (id, uuid));
     store.release(again).await.unwrap();
 }
@@ -855,7 +952,7 @@ async fn a_second_schema_on_the_search_path_gets_its_own_tables_and_leaves_the_o
     .unwrap();
     let k = key("shared-name");
     let b_claim = b_store
-        .claim::<OneStep>(request(1, &k, &body))
+        .claim::<OneStep>(request(&Owner::from(1), &k, &body))
         .await
         .unwrap();
     let a_again = idempotency::migrate(&pool).await;
@@ -912,7 +1009,12 @@ async fn concurrent_migrators_in_two_schemas_all_succeed(pool: PgPool) {
     for p in [&pool, &other] {
         let store =
             Store::new(p.clone(), Arc::new(DatabaseClock), Duration::from_secs(30)).unwrap();
-        let lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+        let lease = acquired(
+            store
+                .claim(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap(),
+        );
         assert_eq!(lease.token(), 1, "each schema has its own key");
         store.release(lease).await.unwrap();
     }

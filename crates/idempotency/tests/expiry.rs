@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use idempotency::{
     Begun, Claim, Error, Fingerprint, IdempotencyKey, Lease, ManualClock, NewRequest,
-    OffsetDateTime, OneStep, Store, StoredResponse,
+    OffsetDateTime, OneStep, Owner, Store, StoredResponse,
 };
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -36,9 +36,9 @@ fn key(s: &str) -> IdempotencyKey {
     IdempotencyKey::parse(s.as_bytes()).unwrap()
 }
 
-fn request<'a>(user_id: i64, key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
+fn request<'a>(owner: &'a Owner, key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
     NewRequest {
-        user_id,
+        owner,
         method: "POST",
         route: "/things",
         key,
@@ -75,20 +75,25 @@ async fn finish(store: &Store, mut lease: Lease<OneStep>, body: &str) {
 }
 
 /// Claims and finishes a new key now; returns its row's id.
-async fn finished_key(store: &Store, user_id: i64, name: &str, body: &Value) -> i64 {
+async fn finished_key(store: &Store, owner: i64, name: &str, body: &Value) -> i64 {
     let k = key(name);
-    let lease = acquired(store.claim(request(user_id, &k, body)).await.unwrap());
+    let lease = acquired(
+        store
+            .claim(request(&Owner::from(owner), &k, body))
+            .await
+            .unwrap(),
+    );
     let key_id = lease.key_id();
     finish(store, lease, "first").await;
     key_id
 }
 
 /// How many rows the key has (its scope is unique: 0 or 1).
-async fn rows_of(pool: &PgPool, user_id: i64, name: &str) -> i64 {
+async fn rows_of(pool: &PgPool, owner: i64, name: &str) -> i64 {
     sqlx::query_scalar(
-        "SELECT count(*) FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2",
+        "SELECT count(*) FROM idempotency_keys WHERE owner = $1 AND idempotency_key = $2",
     )
-    .bind(user_id)
+    .bind(owner.to_string())
     .bind(name)
     .fetch_one(pool)
     .await
@@ -99,16 +104,31 @@ async fn rows_of(pool: &PgPool, user_id: i64, name: &str) -> i64 {
 async fn a_key_finished_past_the_retention_is_a_new_request_with_a_new_row(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let first = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let first = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let (old_id, old_uuid) = (first.key_id(), first.request_uuid());
     finish(&store, first, "first").await;
 
     clock.advance(RETENTION - Duration::from_secs(1));
-    let stored = replayed(store.claim(request(1, &k, &body)).await.unwrap());
+    let stored = replayed(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(stored.body, b"first");
 
     clock.advance(Duration::from_secs(2));
-    let second = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let second = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_ne!(second.key_id(), old_id);
     assert_ne!(second.request_uuid(), old_uuid);
     assert_eq!(second.token(), 1);
@@ -123,7 +143,12 @@ async fn a_key_finished_past_the_retention_is_a_new_request_with_a_new_row(pool:
 
     // The new request runs its course and replays in turn.
     finish(&store, second, "second").await;
-    let stored = replayed(store.claim(request(1, &k, &body)).await.unwrap());
+    let stored = replayed(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(stored.body, b"second");
 }
 
@@ -135,22 +160,36 @@ async fn another_payload_after_expiry_is_a_new_request_not_a_mismatch(pool: PgPo
     finished_key(&store, 1, "k1", &body).await;
     assert!(matches!(
         store
-            .claim::<OneStep>(request(1, &k, &other))
+            .claim::<OneStep>(request(&Owner::from(1), &k, &other))
             .await
             .unwrap(),
         Claim::Mismatch
     ));
     clock.advance(RETENTION + Duration::from_secs(1));
-    let lease = acquired(store.claim(request(1, &k, &other)).await.unwrap());
+    let lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &other))
+            .await
+            .unwrap(),
+    );
     assert_eq!(lease.params(), &other);
     // The first payload is now the other one.
     assert!(matches!(
-        store.claim::<OneStep>(request(1, &k, &body)).await.unwrap(),
+        store
+            .claim::<OneStep>(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
         Claim::Mismatch
     ));
     finish(&store, lease, "other").await;
     assert_eq!(
-        replayed(store.claim(request(1, &k, &other)).await.unwrap()).body,
+        replayed(
+            store
+                .claim(request(&Owner::from(1), &k, &other))
+                .await
+                .unwrap()
+        )
+        .body,
         b"other"
     );
 }
@@ -159,17 +198,31 @@ async fn another_payload_after_expiry_is_a_new_request_not_a_mismatch(pool: PgPo
 async fn an_unfinished_key_never_expires_at_read(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let first = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let first = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let key_id = first.key_id();
     store.release(first).await.unwrap();
     clock.advance(RETENTION * 3);
     assert_eq!(store.reap_expired(100).await.unwrap(), 0);
     // Taken over, not replaced: the same row with the next token.
-    let again = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let again = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(again.key_id(), key_id);
     assert_eq!(again.token(), 2);
     clock.advance(RETENTION * 3);
-    match store.claim::<OneStep>(request(1, &k, &body)).await.unwrap() {
+    match store
+        .claim::<OneStep>(request(&Owner::from(1), &k, &body))
+        .await
+        .unwrap()
+    {
         // The lease ran out long ago: taken over once more, still the same row.
         Claim::Acquired(lease) => assert_eq!((lease.key_id(), lease.token()), (key_id, 3)),
         other => panic!("expected a takeover, got {other:?}"),
@@ -185,10 +238,15 @@ async fn without_a_retention_a_finished_key_replays_for_good(pool: PgPool) {
     let (k, body) = (key("k1"), json!({"a": 1}));
     finished_key(&store, 1, "k1", &body).await;
     clock.advance(Store::MAX_RETENTION * 2);
-    replayed(store.claim(request(1, &k, &body)).await.unwrap());
+    replayed(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert!(matches!(
         store
-            .claim::<OneStep>(request(1, &k, &json!({"a": 2})))
+            .claim::<OneStep>(request(&Owner::from(1), &k, &json!({"a": 2})))
             .await
             .unwrap(),
         Claim::Mismatch
@@ -227,7 +285,10 @@ async fn begin_and_begin_optimistic_answer_an_expired_key_as_new(pool: PgPool) {
     clock.advance(RETENTION + Duration::from_secs(1));
 
     let k = key("by-begin");
-    let first = match store.begin(request(1, &k, &body), OneStep::Started).await {
+    let first = match store
+        .begin(request(&Owner::from(1), &k, &body), OneStep::Started)
+        .await
+    {
         Ok(Begun::New(first)) => first,
         other => panic!("expected a new key, got {other:?}"),
     };
@@ -235,13 +296,19 @@ async fn begin_and_begin_optimistic_answer_an_expired_key_as_new(pool: PgPool) {
     let lease = first.commit().await.unwrap();
     finish(&store, lease, "begun").await;
     assert_eq!(
-        replayed(store.claim(request(1, &k, &body)).await.unwrap()).body,
+        replayed(
+            store
+                .claim(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap()
+        )
+        .body,
         b"begun"
     );
 
     let k = key("by-optimistic");
     let first = match store
-        .begin_optimistic(request(1, &k, &body), OneStep::Started)
+        .begin_optimistic(request(&Owner::from(1), &k, &body), OneStep::Started)
         .await
     {
         Ok(Begun::New(first)) => first,
@@ -250,7 +317,13 @@ async fn begin_and_begin_optimistic_answer_an_expired_key_as_new(pool: PgPool) {
     assert_ne!(first.lease().key_id(), old_optimistic);
     first.finish(&response("optimistic")).await.unwrap();
     assert_eq!(
-        replayed(store.claim(request(1, &k, &body)).await.unwrap()).body,
+        replayed(
+            store
+                .claim(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap()
+        )
+        .body,
         b"optimistic"
     );
     for old in [old_begin, old_optimistic] {
@@ -268,10 +341,12 @@ async fn a_dropped_first_phase_of_an_expired_key_brings_the_old_row_back(pool: P
     for optimistic in [false, true] {
         let begun = if optimistic {
             store
-                .begin_optimistic(request(1, &k, &body), OneStep::Started)
+                .begin_optimistic(request(&Owner::from(1), &k, &body), OneStep::Started)
                 .await
         } else {
-            store.begin(request(1, &k, &body), OneStep::Started).await
+            store
+                .begin(request(&Owner::from(1), &k, &body), OneStep::Started)
+                .await
         };
         match begun {
             Ok(Begun::New(first)) => drop(first),
@@ -283,7 +358,13 @@ async fn a_dropped_first_phase_of_an_expired_key_brings_the_old_row_back(pool: P
         assert_eq!(rows_of(&pool, 1, "k1").await, 1);
     }
     assert_ne!(
-        acquired(store.claim(request(1, &k, &body)).await.unwrap()).key_id(),
+        acquired(
+            store
+                .claim(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap()
+        )
+        .key_id(),
         old
     );
 }
@@ -309,7 +390,11 @@ async fn a_reaper_pass_with_the_store_retention_deletes_exactly_what_claims_expi
     let mut expired_at_read = Vec::new();
     for name in names {
         let k = key(name);
-        match store.claim::<OneStep>(request(2, &k, &body)).await.unwrap() {
+        match store
+            .claim::<OneStep>(request(&Owner::from(2), &k, &body))
+            .await
+            .unwrap()
+        {
             Claim::Acquired(lease) => {
                 expired_at_read.push(name);
                 finish(&store, lease, "again").await;
@@ -359,9 +444,9 @@ async fn concurrent_claims_of_an_expired_key_replace_it_exactly_once(pool: PgPoo
         for i in 0..CLAIMERS {
             let (store, barrier, body) = (store.clone(), barrier.clone(), body.clone());
             tasks.push(tokio::spawn(async move {
-                let k = key("same");
+                let (k, owner) = (key("same"), Owner::from(1));
                 barrier.wait().await;
-                let req = request(1, &k, &body);
+                let req = request(&owner, &k, &body);
                 let begun = match i % 3 {
                     0 => return store.claim::<OneStep>(req).await.unwrap(),
                     1 => store.begin(req, OneStep::Started).await.unwrap(),
@@ -417,7 +502,10 @@ async fn a_claim_during_an_expiry_in_progress_waits_and_then_finds_the_new_key(p
     let (k, body) = (key("k1"), json!({"a": 1}));
     finished_key(&store, 1, "k1", &body).await;
     clock.advance(RETENTION + Duration::from_secs(1));
-    let first = match store.begin(request(1, &k, &body), OneStep::Started).await {
+    let first = match store
+        .begin(request(&Owner::from(1), &k, &body), OneStep::Started)
+        .await
+    {
         Ok(Begun::New(first)) => first,
         other => panic!("expected a new key, got {other:?}"),
     };
@@ -438,7 +526,7 @@ async fn a_claim_during_an_expiry_in_progress_waits_and_then_finds_the_new_key(p
         .with_retention(RETENTION)
         .unwrap();
     match impatient
-        .claim::<OneStep>(request(1, &k, &body))
+        .claim::<OneStep>(request(&Owner::from(1), &k, &body))
         .await
         .unwrap()
     {
@@ -451,7 +539,10 @@ async fn a_claim_during_an_expiry_in_progress_waits_and_then_finds_the_new_key(p
         let (store, body) = (store.clone(), body.clone());
         async move {
             let k = key("k1");
-            store.claim::<OneStep>(request(1, &k, &body)).await.unwrap()
+            store
+                .claim::<OneStep>(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap()
         }
     });
     a_statement_waits_on_a_lock(&pool).await;
@@ -462,7 +553,13 @@ async fn a_claim_during_an_expiry_in_progress_waits_and_then_finds_the_new_key(p
     }
     finish(&store, lease, "new").await;
     assert_eq!(
-        replayed(store.claim(request(1, &k, &body)).await.unwrap()).body,
+        replayed(
+            store
+                .claim(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap()
+        )
+        .body,
         b"new"
     );
 }
@@ -472,9 +569,9 @@ async fn an_expired_key_still_referenced_under_restrict_is_refused_and_kept(pool
     let (store, clock) = setup(&pool).await;
     sqlx::query(
         "CREATE TABLE receipts (
-             user_id BIGINT NOT NULL,
-             key_id  BIGINT NOT NULL,
-             FOREIGN KEY (user_id, key_id) REFERENCES idempotency_keys (user_id, id)
+             owner  TEXT   NOT NULL,
+             key_id BIGINT NOT NULL,
+             FOREIGN KEY (owner, key_id) REFERENCES idempotency_keys (owner, id)
                  ON DELETE RESTRICT
          )",
     )
@@ -482,11 +579,16 @@ async fn an_expired_key_still_referenced_under_restrict_is_refused_and_kept(pool
     .await
     .unwrap();
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let old = lease.key_id();
     let mut phase = store.final_phase(&mut lease).await.unwrap();
-    sqlx::query("INSERT INTO receipts (user_id, key_id) VALUES ($1, $2)")
-        .bind(1_i64)
+    sqlx::query("INSERT INTO receipts (owner, key_id) VALUES ($1, $2)")
+        .bind("1")
         .bind(old)
         .execute(phase.conn())
         .await
@@ -505,20 +607,27 @@ async fn an_expired_key_still_referenced_under_restrict_is_refused_and_kept(pool
         }
         other => panic!("{how}: expected the expiry refused, got {other:?}"),
     };
-    refused(store.claim(request(1, &k, &body)).await, "claim");
+    refused(
+        store.claim(request(&Owner::from(1), &k, &body)).await,
+        "claim",
+    );
     let begun = |b: Result<Begun<OneStep>, Error>| match b {
         Ok(Begun::New(_)) => panic!("a new key despite the reference"),
         Ok(Begun::Existing(claim)) => Ok(claim),
         Err(e) => Err(e),
     };
     refused(
-        begun(store.begin(request(1, &k, &body), OneStep::Started).await),
+        begun(
+            store
+                .begin(request(&Owner::from(1), &k, &body), OneStep::Started)
+                .await,
+        ),
         "begin",
     );
     refused(
         begun(
             store
-                .begin_optimistic(request(1, &k, &body), OneStep::Started)
+                .begin_optimistic(request(&Owner::from(1), &k, &body), OneStep::Started)
                 .await,
         ),
         "begin_optimistic",
@@ -534,7 +643,13 @@ async fn an_expired_key_still_referenced_under_restrict_is_refused_and_kept(pool
         .await
         .unwrap();
     assert_ne!(
-        acquired(store.claim(request(1, &k, &body)).await.unwrap()).key_id(),
+        acquired(
+            store
+                .claim(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap()
+        )
+        .key_id(),
         old
     );
 }
@@ -544,10 +659,10 @@ async fn an_expired_key_referenced_under_set_null_expires_and_its_rows_stay(pool
     let (store, clock) = setup(&pool).await;
     sqlx::query(
         "CREATE TABLE rides (
-             id      BIGSERIAL PRIMARY KEY,
-             user_id BIGINT NOT NULL,
-             key_id  BIGINT UNIQUE,
-             FOREIGN KEY (user_id, key_id) REFERENCES idempotency_keys (user_id, id)
+             id     BIGSERIAL PRIMARY KEY,
+             owner  TEXT   NOT NULL,
+             key_id BIGINT UNIQUE,
+             FOREIGN KEY (owner, key_id) REFERENCES idempotency_keys (owner, id)
                  ON DELETE SET NULL (key_id)
          )",
     )
@@ -555,10 +670,15 @@ async fn an_expired_key_referenced_under_set_null_expires_and_its_rows_stay(pool
     .await
     .unwrap();
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let mut phase = store.final_phase(&mut lease).await.unwrap();
-    sqlx::query("INSERT INTO rides (user_id, key_id) VALUES ($1, $2)")
-        .bind(1_i64)
+    sqlx::query("INSERT INTO rides (owner, key_id) VALUES ($1, $2)")
+        .bind("1")
         .bind(phase.key_id())
         .execute(phase.conn())
         .await
@@ -566,15 +686,20 @@ async fn an_expired_key_referenced_under_set_null_expires_and_its_rows_stay(pool
     phase.finish(&response("first")).await.unwrap();
     clock.advance(RETENTION + Duration::from_secs(1));
 
-    let second = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let second = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let key_ids: Vec<Option<i64>> = sqlx::query_scalar("SELECT key_id FROM rides ORDER BY id")
         .fetch_all(&pool)
         .await
         .unwrap();
     assert_eq!(key_ids, [None], "the ride stays, its reference cleared");
     // The new request may book its own ride under its own key id.
-    sqlx::query("INSERT INTO rides (user_id, key_id) VALUES ($1, $2)")
-        .bind(1_i64)
+    sqlx::query("INSERT INTO rides (owner, key_id) VALUES ($1, $2)")
+        .bind("1")
         .bind(second.key_id())
         .execute(&pool)
         .await

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idempotency::{
     Abandoned, Claim, DatabaseClock, Error, Fingerprint, IdempotencyKey, Lease, NewRequest,
-    OneStep, Store, StoredResponse,
+    OneStep, Owner, Store, StoredResponse,
 };
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -27,9 +27,13 @@ async fn store(pool: &PgPool) -> Store {
     .unwrap()
 }
 
+/// A string owner, as a tenant's name or an account id would be.
+static OWNER: std::sync::LazyLock<Owner> =
+    std::sync::LazyLock::new(|| Owner::new("tenant-3").unwrap());
+
 fn request<'a>(key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
     NewRequest {
-        user_id: 3,
+        owner: &OWNER,
         method: "POST",
         route: "/deposits",
         key,

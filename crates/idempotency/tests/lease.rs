@@ -7,16 +7,19 @@ use std::time::Duration;
 
 use idempotency::{
     Claim, DatabaseClock, Error, Fingerprint, IdempotencyKey, Lease, ManualClock, NewRequest,
-    OneStep, Store,
+    OneStep, Owner, Store,
 };
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
 const TTL: Duration = Duration::from_secs(3);
 
+static OWNER: std::sync::LazyLock<Owner> =
+    std::sync::LazyLock::new(|| Owner::new("acct_7").unwrap());
+
 fn request<'a>(key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
     NewRequest {
-        user_id: 7,
+        owner: &OWNER,
         method: "POST",
         route: "/transfers",
         key,

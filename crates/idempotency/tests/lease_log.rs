@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotency::{
-    Claim, DatabaseClock, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Store,
+    Claim, DatabaseClock, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Owner, Store,
     StoredResponse, LEASE_LOG,
 };
 use serde_json::json;
@@ -55,8 +55,9 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Heard {
 async fn acquire(store: &Store, key: &str) -> Lease<OneStep> {
     let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
     let body = json!({"cents": 5});
+    let owner = Owner::from(2);
     let request = NewRequest {
-        user_id: 2,
+        owner: &owner,
         method: "POST",
         route: "/payouts",
         key: &key,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::{
-    Claim, DatabaseClock, Error, Fingerprint, IdempotencyKey, NewRequest, OneStep, Store,
+    Claim, DatabaseClock, Error, Fingerprint, IdempotencyKey, NewRequest, OneStep, Owner, Store,
     StoredResponse,
 };
 use serde_json::json;
@@ -24,8 +24,9 @@ fn crate_migrations() -> usize {
 async fn claim(store: &Store, key: &str) -> Claim<OneStep> {
     let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
     let body = json!({"cents": 5});
+    let owner = Owner::from(4);
     let request = NewRequest {
-        user_id: 4,
+        owner: &owner,
         method: "POST",
         route: "/orders",
         key: &key,
@@ -60,52 +61,108 @@ async fn a_fresh_database_gets_the_crates_bookkeeping_and_leaves_sqlxs_alone(poo
         .unwrap();
 }
 
+/// The version of the crate's migration that turned the owner into text.
+const OWNER_TEXT: i64 = 20261202000001;
+
+/// A migrator of the files of `dir` (under the crate) whose versions are below `below`: what an
+/// earlier version of the crate, or of the application, held.
+async fn migrator_below(dir: &str, below: i64) -> sqlx::migrate::Migrator {
+    let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let to = std::env::temp_dir().join(format!(
+        "idempotency-migrations-{}-{}",
+        std::process::id(),
+        idempotency::Uuid::new_v4()
+    ));
+    std::fs::create_dir_all(&to).unwrap();
+    for entry in std::fs::read_dir(&from).unwrap() {
+        let name = entry.unwrap().file_name();
+        let version: i64 = name.to_str().unwrap()[..14].parse().unwrap();
+        if version < below {
+            std::fs::copy(from.join(&name), to.join(&name)).unwrap();
+        }
+    }
+    let migrator = sqlx::migrate::Migrator::new(to.as_path()).await.unwrap();
+    std::fs::remove_dir_all(&to).unwrap();
+    migrator
+}
+
+/// A database as the crate's versions before the text owner left it, recording in sqlx's
+/// table, with the application's first migration (an integer owner referenced) beside it, and
+/// rows: a finished key, an unfinished one, and an order referencing the first. Returns the
+/// finished key's stored answer.
+async fn earlier_database(pool: &PgPool) -> StoredResponse {
+    let mut earlier = migrator_below("migrations", OWNER_TEXT).await;
+    earlier.set_ignore_missing(true);
+    earlier.run(pool).await.unwrap();
+    let mut app = migrator_below("tests/app_upgrade", 20261201900001).await;
+    app.set_ignore_missing(true);
+    app.run(pool).await.unwrap();
+    let body = json!({"cents": 5});
+    let fingerprint = Fingerprint::of_json("POST", "/orders", &body);
+    let answer = StoredResponse::json(201, &json!({"order": 1}), vec![]);
+    // Written as that schema had it (user_id BIGINT): today's store speaks of `owner`.
+    let key_id: i64 = sqlx::query_scalar(
+        "INSERT INTO idempotency_keys
+             (user_id, request_method, request_path, idempotency_key, fingerprint,
+              request_params, recovery_point, response_status, response_headers, response_body,
+              finished_at)
+         VALUES (4, 'POST', '/orders', 'finished', $1, $2, 'finished', $3, $4, $5, now())
+         RETURNING id",
+    )
+    .bind(fingerprint.as_bytes().as_slice())
+    .bind(sqlx::types::Json(&body))
+    .bind(answer.status as i16)
+    .bind(sqlx::types::Json(&answer.headers))
+    .bind(&answer.body)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    sqlx::raw_sql(&format!(
+        "INSERT INTO orders (user_id, key_id) VALUES (4, {key_id});
+         WITH k AS (
+             INSERT INTO idempotency_keys
+                 (user_id, request_method, request_path, idempotency_key, fingerprint,
+                  request_params, recovery_point)
+             SELECT 4, 'POST', '/orders', 'unfinished', fingerprint, request_params, 'started'
+             FROM idempotency_keys WHERE id = {key_id}
+             RETURNING user_id, id, request_method, request_path, created_at)
+         INSERT INTO idempotency_keys_unfinished
+             (user_id, key_id, request_method, request_path, created_at)
+         SELECT * FROM k;"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    answer
+}
+
+async fn owner_type(pool: &PgPool) -> Option<String> {
+    sqlx::query_scalar(
+        "SELECT data_type::text FROM information_schema.columns
+         WHERE table_name = 'idempotency_keys' AND column_name = 'owner'",
+    )
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+}
+
 #[sqlx::test(migrations = false)]
 async fn a_database_of_the_earlier_bookkeeping_upgrades_in_place_with_its_keys(pool: PgPool) {
-    // As an earlier version migrated: the crate's entries in _sqlx_migrations, beside the
-    // application's, each migrator ignoring the other's.
-    let mut earlier = sqlx::migrate!("./migrations");
-    earlier.set_ignore_missing(true);
-    earlier.run(&pool).await.unwrap();
-    let mut app = sqlx::migrate!("./tests/app_migrations");
-    app.set_ignore_missing(true);
-    app.run(&pool).await.unwrap();
-    // With rows in it: a finished key, an unfinished one, an order referencing the first.
-    let store = Store::new(
-        pool.clone(),
-        Arc::new(DatabaseClock),
-        Duration::from_secs(30),
-    )
-    .unwrap();
-    let Claim::Acquired(mut done) = claim(&store, "finished").await else {
-        panic!("a new key");
-    };
-    let answer = StoredResponse::json(201, &json!({"order": 1}), vec![]);
-    let key_id = done.key_id();
-    store
-        .final_phase(&mut done)
+    let answer = earlier_database(&pool).await;
+    let earlier = migrator_below("migrations", OWNER_TEXT)
         .await
-        .unwrap()
-        .finish(&answer)
-        .await
-        .unwrap();
-    sqlx::query("INSERT INTO orders (user_id, key_id) VALUES (4, $1)")
-        .bind(key_id)
-        .execute(&pool)
-        .await
-        .unwrap();
-    let Claim::Acquired(open) = claim(&store, "unfinished").await else {
-        panic!("a new key");
-    };
-    store.release(open).await.unwrap();
+        .iter()
+        .count();
     // Before the upgrade, an application migrator that does not ignore the crate's entries fails.
-    let strict = sqlx::migrate!("./tests/app_migrations").run(&pool).await;
+    let strict = sqlx::migrate!("./tests/app_upgrade").run(&pool).await;
     assert!(
         strict.is_err(),
         "sqlx should see the crate's entries as missing"
     );
 
-    idempotency::migrate(&pool).await.unwrap();
+    idempotency::migrate_with(&pool, &sqlx::migrate!("./tests/app_upgrade"))
+        .await
+        .unwrap();
 
     assert_eq!(
         count(
@@ -113,33 +170,164 @@ async fn a_database_of_the_earlier_bookkeeping_upgrades_in_place_with_its_keys(p
             "SELECT count(*) FROM idempotency_schema_migrations WHERE adopted"
         )
         .await as usize,
-        crate_migrations()
+        earlier
     );
-    assert_eq!(
-        count(&pool, "SELECT count(*) FROM _sqlx_migrations").await,
-        1,
-        "only the application's entry stays in sqlx's table"
-    );
-    sqlx::migrate!("./tests/app_migrations")
-        .run(&pool)
-        .await
-        .unwrap();
-    // The keys are as they were.
-    assert!(matches!(claim(&store, "finished").await, Claim::Replay(r) if r == answer));
-    assert!(matches!(
-        claim(&store, "unfinished").await,
-        Claim::Acquired(_)
-    ));
     assert_eq!(
         count(
             &pool,
-            "SELECT count(*) FROM orders WHERE key_id IS NOT NULL"
+            "SELECT count(*) FROM idempotency_schema_migrations WHERE NOT adopted"
+        )
+        .await as usize,
+        crate_migrations() - earlier,
+        "the text owner's migration, applied"
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM _sqlx_migrations").await,
+        3,
+        "only the application's entries stay in sqlx's table"
+    );
+    assert_eq!(owner_type(&pool).await.as_deref(), Some("text"));
+    // The keys are as they were, their owner in its decimal form.
+    let store = Store::new(
+        pool.clone(),
+        Arc::new(DatabaseClock),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    assert!(matches!(claim(&store, "finished").await, Claim::Replay(r) if r == answer));
+    let Claim::Acquired(open) = claim(&store, "unfinished").await else {
+        panic!("the unfinished key, free to claim");
+    };
+    assert_eq!(open.owner().as_str(), "4");
+    store.release(open).await.unwrap();
+    // The order still references its key, and the re-created foreign key checks the owner.
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM orders o JOIN idempotency_keys k
+             ON k.owner = o.key_owner AND k.id = o.key_id"
         )
         .await,
         1
     );
+    let wrong_owner = sqlx::query(
+        "INSERT INTO orders (user_id, key_owner, key_id)
+         SELECT 5, '5', id FROM idempotency_keys WHERE idempotency_key = 'finished'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap_err();
+    assert_eq!(
+        wrong_owner
+            .as_database_error()
+            .and_then(|e| e.code())
+            .as_deref(),
+        Some("23503"),
+        "{wrong_owner}"
+    );
     // And again: nothing to do.
+    idempotency::migrate_with(&pool, &sqlx::migrate!("./tests/app_upgrade"))
+        .await
+        .unwrap();
     idempotency::migrate(&pool).await.unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_text_owner_refuses_a_reference_by_an_integer_owner_and_changes_nothing(pool: PgPool) {
+    earlier_database(&pool).await;
+    let earlier = migrator_below("migrations", OWNER_TEXT)
+        .await
+        .iter()
+        .count();
+    let refused = idempotency::migrate(&pool).await.unwrap_err();
+    let why = refused.to_string();
+    assert!(
+        why.contains("orders_user_id_key_id_fkey on orders") && why.contains("migrate_with"),
+        "names the foreign key and the way out: {why}"
+    );
+    // One transaction: nothing adopted, nothing converted.
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM _sqlx_migrations").await as usize,
+        earlier + 1
+    );
+    assert_eq!(owner_type(&pool).await, None);
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_class WHERE relname = 'idempotency_schema_migrations'"
+        )
+        .await,
+        0
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_new_database_runs_old_application_migrations_on_their_side_of_the_crates(pool: PgPool) {
+    // The application's first migration references an integer owner: on a new database it must
+    // run before the crate turns the owner into text, and its re-creation after.
+    idempotency::migrate_with(&pool, &sqlx::migrate!("./tests/app_upgrade"))
+        .await
+        .unwrap();
+    assert_eq!(owner_type(&pool).await.as_deref(), Some("text"));
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_constraint
+             WHERE conname = 'orders_key_fkey' AND confrelid = 'idempotency_keys'::regclass"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_schema_migrations WHERE NOT adopted"
+        )
+        .await as usize,
+        crate_migrations()
+    );
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM _sqlx_migrations").await,
+        3
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn combined_migrators_that_start_together_take_turns(pool: PgPool) {
+    let runs = (0..4).map(|_| {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            idempotency::migrate_with(&pool, &sqlx::migrate!("./tests/app_upgrade")).await
+        })
+    });
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM _sqlx_migrations").await,
+        3
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_application_migration_applied_from_other_contents_is_refused_before_anything_runs(
+    pool: PgPool,
+) {
+    let first = migrator_below("tests/app_upgrade", 20261203000001).await;
+    idempotency::migrate_with(&pool, &first).await.unwrap();
+    sqlx::query("UPDATE _sqlx_migrations SET checksum = '\\x00'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let refused = idempotency::migrate_with(&pool, &sqlx::migrate!("./tests/app_upgrade"))
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, Error::Migration(_)), "{refused}");
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM _sqlx_migrations").await,
+        2,
+        "nothing more applied"
+    );
 }
 
 #[sqlx::test(migrations = false)]

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use idempotency::{
     Begun, Claim, ClaimOutcome, DatabaseClock, Fingerprint, IdempotencyKey, NewRequest, Observer,
-    RecoveryPoint, Store, StoredResponse,
+    Owner, RecoveryPoint, Store, StoredResponse,
 };
 use serde_json::json;
 use sqlx::PgPool;
@@ -61,8 +61,9 @@ async fn every_claim_and_committed_phase_is_heard(pool: PgPool) {
         .with_observer(heard.clone());
     let key = IdempotencyKey::parse(b"order-1").unwrap();
     let (body, other) = (json!({"cents": 5}), json!({"cents": 6}));
+    let owner = Owner::from(1);
     let request = |body| NewRequest {
-        user_id: 1,
+        owner: &owner,
         method: "POST",
         route: "/orders",
         key: &key,

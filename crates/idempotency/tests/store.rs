@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::{
-    Begun, Claim, Error, Fingerprint, FirstPhase, IdempotencyKey, ManualClock, NewRequest,
+    Begun, Claim, Error, Fingerprint, FirstPhase, IdempotencyKey, ManualClock, NewRequest, Owner,
     RecoveryPoint, Store, StoredResponse,
 };
 use serde_json::{json, Value};
@@ -54,9 +54,9 @@ fn key(s: &str) -> IdempotencyKey {
     IdempotencyKey::parse(s.as_bytes()).unwrap()
 }
 
-fn request<'a>(user_id: i64, key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
+fn request<'a>(owner: &'a Owner, key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
     NewRequest {
-        user_id,
+        owner,
         method: "POST",
         route: "/things",
         key,
@@ -83,7 +83,12 @@ fn acquired(claim: Claim<Point>) -> idempotency::Lease<Point> {
 async fn first_claim_inserts_with_token_one_at_started(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(lease.token(), 1);
     assert_eq!(lease.attempts(), 1);
     assert_eq!(lease.recovery_point(), Point::Started);
@@ -94,9 +99,18 @@ async fn first_claim_inserts_with_token_one_at_started(pool: PgPool) {
 async fn a_held_lease_refuses_a_second_claim_with_the_time_left(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let _lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let _lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     clock.advance(Duration::from_millis(10_500));
-    match store.claim::<Point>(request(1, &k, &body)).await.unwrap() {
+    match store
+        .claim::<Point>(request(&Owner::from(1), &k, &body))
+        .await
+        .unwrap()
+    {
         // 19.5 s left, rounded up.
         Claim::InFlight { retry_after } => assert_eq!(retry_after, Duration::from_secs(20)),
         other => panic!("expected InFlight, got {other:?}"),
@@ -107,9 +121,19 @@ async fn a_held_lease_refuses_a_second_claim_with_the_time_left(pool: PgPool) {
 async fn an_expired_lease_is_taken_over_with_a_new_token(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let first = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let first = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     clock.advance(TTL);
-    let second = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let second = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(second.key_id(), first.key_id());
     assert_eq!(second.token(), first.token() + 1);
     assert_eq!(second.attempts(), 2);
@@ -119,7 +143,12 @@ async fn an_expired_lease_is_taken_over_with_a_new_token(pool: PgPool) {
 async fn a_released_lease_is_claimable_at_once_and_keeps_its_recovery_point(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     store
         .phase(&mut lease, Point::Halfway)
         .await
@@ -128,7 +157,12 @@ async fn a_released_lease_is_claimable_at_once_and_keeps_its_recovery_point(pool
         .await
         .unwrap();
     store.release(lease).await.unwrap();
-    let again = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let again = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(again.recovery_point(), Point::Halfway);
     assert_eq!(again.token(), 2);
 }
@@ -137,9 +171,19 @@ async fn a_released_lease_is_claimable_at_once_and_keeps_its_recovery_point(pool
 async fn an_abandoned_key_is_gone_and_only_its_holder_can_abandon_it(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let stale = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let stale = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     clock.advance(TTL);
-    let holder = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let holder = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert!(matches!(
         store.abandon(stale).await,
         Err(idempotency::Error::LeaseLost { .. })
@@ -147,7 +191,12 @@ async fn an_abandoned_key_is_gone_and_only_its_holder_can_abandon_it(pool: PgPoo
     store.abandon(holder).await.unwrap();
     // The key is as if it had never been sent: another payload may use it now.
     let other = json!({"a": 2});
-    let fresh = acquired(store.claim(request(1, &k, &other)).await.unwrap());
+    let fresh = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &other))
+            .await
+            .unwrap(),
+    );
     assert_eq!(fresh.token(), 1);
 }
 
@@ -156,15 +205,21 @@ async fn another_payload_under_the_same_key_is_a_mismatch(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let k = key("k1");
     let (a, b) = (json!({"amount": 1}), json!({"amount": 2}));
-    let _lease = acquired(store.claim(request(1, &k, &a)).await.unwrap());
+    let _lease = acquired(store.claim(request(&Owner::from(1), &k, &a)).await.unwrap());
     assert!(matches!(
-        store.claim::<Point>(request(1, &k, &b)).await.unwrap(),
+        store
+            .claim::<Point>(request(&Owner::from(1), &k, &b))
+            .await
+            .unwrap(),
         Claim::Mismatch
     ));
     // Also once the lease is over: a mismatch never takes a key over.
     clock.advance(TTL * 2);
     assert!(matches!(
-        store.claim::<Point>(request(1, &k, &b)).await.unwrap(),
+        store
+            .claim::<Point>(request(&Owner::from(1), &k, &b))
+            .await
+            .unwrap(),
         Claim::Mismatch
     ));
 }
@@ -173,7 +228,12 @@ async fn another_payload_under_the_same_key_is_a_mismatch(pool: PgPool) {
 async fn a_finished_key_replays_its_stored_response_exactly(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let response = StoredResponse {
         status: 201,
         headers: vec![
@@ -190,7 +250,11 @@ async fn a_finished_key_replays_its_stored_response_exactly(pool: PgPool) {
         .await
         .unwrap();
     assert_eq!(lease.recovery_point(), Point::Finished);
-    match store.claim::<Point>(request(1, &k, &body)).await.unwrap() {
+    match store
+        .claim::<Point>(request(&Owner::from(1), &k, &body))
+        .await
+        .unwrap()
+    {
         Claim::Replay(stored) => assert_eq!(stored, response),
         other => panic!("expected Replay, got {other:?}"),
     }
@@ -203,9 +267,19 @@ async fn a_finished_key_replays_its_stored_response_exactly(pool: PgPool) {
 async fn a_stale_holder_is_fenced_out_and_its_phase_writes_nothing(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut stale = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut stale = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     clock.advance(TTL + Duration::from_secs(1));
-    let mut current = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut current = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
 
     let err = store.phase(&mut stale, Point::Halfway).await.unwrap_err();
     assert!(matches!(err, Error::LeaseLost { token: 1, .. }), "{err}");
@@ -228,7 +302,12 @@ async fn a_stale_holder_is_fenced_out_and_its_phase_writes_nothing(pool: PgPool)
 async fn a_phase_that_is_not_committed_leaves_neither_rows_nor_progress(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     {
         let mut phase = store.phase(&mut lease, Point::Halfway).await.unwrap();
         sqlx::query("INSERT INTO effects VALUES ($1, 'dropped')")
@@ -250,7 +329,12 @@ async fn a_claim_during_an_open_phase_is_in_flight_at_once_and_then_sees_the_ext
 ) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     // The lease is over, but its holder is alive and opens a phase: the fenced update wins the
     // row lock and extends the lease. A claimer arriving now cannot lock the row (NOWAIT): it is
     // in flight at once, and holds no connection waiting for the phase.
@@ -258,7 +342,7 @@ async fn a_claim_during_an_open_phase_is_in_flight_at_once_and_then_sees_the_ext
     let phase = store.phase(&mut lease, Point::Halfway).await.unwrap();
     let during = tokio::time::timeout(
         Duration::from_secs(5),
-        store.claim::<Point>(request(1, &k, &body)),
+        store.claim::<Point>(request(&Owner::from(1), &k, &body)),
     )
     .await
     .expect("the claim waited on the phase's row lock")
@@ -266,7 +350,11 @@ async fn a_claim_during_an_open_phase_is_in_flight_at_once_and_then_sees_the_ext
     assert!(matches!(during, Claim::InFlight { .. }), "{during:?}");
     phase.commit().await.unwrap();
     // After the commit the extended lease refuses it as well.
-    match store.claim::<Point>(request(1, &k, &body)).await.unwrap() {
+    match store
+        .claim::<Point>(request(&Owner::from(1), &k, &body))
+        .await
+        .unwrap()
+    {
         Claim::InFlight { .. } => {}
         other => panic!("expected InFlight, got {other:?}"),
     }
@@ -283,7 +371,10 @@ async fn concurrent_claims_of_one_key_acquire_exactly_once(pool: PgPool) {
         tasks.push(tokio::spawn(async move {
             let (k, body) = (key("same"), json!({"a": 1}));
             barrier.wait().await;
-            store.claim::<Point>(request(1, &k, &body)).await.unwrap()
+            store
+                .claim::<Point>(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap()
         }));
     }
     let mut acquired = 0;
@@ -298,25 +389,50 @@ async fn concurrent_claims_of_one_key_acquire_exactly_once(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = false)]
-async fn keys_are_scoped_by_user_and_route(pool: PgPool) {
+async fn keys_are_scoped_by_owner_and_route(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("shared"), json!({"a": 1}));
-    let a = acquired(store.claim(request(1, &k, &body)).await.unwrap());
-    let b = acquired(store.claim(request(2, &k, &body)).await.unwrap());
+    let a = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
+    let b = acquired(
+        store
+            .claim(request(&Owner::from(2), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_ne!(a.key_id(), b.key_id());
+    let first = Owner::from(1);
     let other_route = NewRequest {
         route: "/others",
-        ..request(1, &k, &body)
+        ..request(&first, &k, &body)
     };
     let c = acquired(store.claim(other_route).await.unwrap());
     assert_ne!(a.key_id(), c.key_id());
+    // Owners are compared byte for byte: "01" is not "1", and case counts.
+    let padded = Owner::new("01").unwrap();
+    let d = acquired(store.claim(request(&padded, &k, &body)).await.unwrap());
+    assert_ne!(a.key_id(), d.key_id());
+    let (lower, upper) = (Owner::new("acct_a").unwrap(), Owner::new("ACCT_A").unwrap());
+    let e = acquired(store.claim(request(&lower, &k, &body)).await.unwrap());
+    let f = acquired(store.claim(request(&upper, &k, &body)).await.unwrap());
+    assert_ne!(e.key_id(), f.key_id());
+    assert_eq!((e.owner(), f.owner()), (&lower, &upper));
 }
 
 #[sqlx::test(migrations = false)]
 async fn renewing_extends_a_held_lease_and_fails_for_a_stale_one(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     let before = lease.locked_until();
     clock.advance(Duration::from_secs(20));
     store.renew(&mut lease).await.unwrap();
@@ -324,11 +440,19 @@ async fn renewing_extends_a_held_lease_and_fails_for_a_stale_one(pool: PgPool) {
     // 20 s later the original lease would be over, the renewed one is not.
     clock.advance(Duration::from_secs(20));
     assert!(matches!(
-        store.claim::<Point>(request(1, &k, &body)).await.unwrap(),
+        store
+            .claim::<Point>(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
         Claim::InFlight { .. }
     ));
     clock.advance(TTL);
-    let _taken = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let _taken = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert!(matches!(
         store.renew(&mut lease).await,
         Err(Error::LeaseLost { .. })
@@ -339,7 +463,12 @@ async fn renewing_extends_a_held_lease_and_fails_for_a_stale_one(pool: PgPool) {
 async fn concurrent_claims_of_an_expired_lease_take_it_over_exactly_once(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("same"), json!({"a": 1}));
-    let _dead = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let _dead = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     clock.advance(TTL + Duration::from_secs(1));
     let barrier = Arc::new(tokio::sync::Barrier::new(16));
     let mut tasks = Vec::new();
@@ -347,7 +476,10 @@ async fn concurrent_claims_of_an_expired_lease_take_it_over_exactly_once(pool: P
         let (store, barrier, k, body) = (store.clone(), barrier.clone(), k.clone(), body.clone());
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
-            store.claim::<Point>(request(1, &k, &body)).await.unwrap()
+            store
+                .claim::<Point>(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap()
         }));
     }
     let mut tokens = Vec::new();
@@ -366,12 +498,17 @@ async fn the_completer_claims_only_its_route_and_only_after_the_grace(pool: PgPo
     let (store, clock) = setup(&pool).await;
     let body = json!({"a": 1});
     let (mine, other) = (key("mine"), key("other"));
-    let _a = acquired(store.claim(request(1, &mine, &body)).await.unwrap());
+    let _a = acquired(
+        store
+            .claim(request(&Owner::from(1), &mine, &body))
+            .await
+            .unwrap(),
+    );
     let _b = acquired(
         store
             .claim(NewRequest {
                 route: "/others",
-                ..request(1, &other, &body)
+                ..request(&Owner::from(1), &other, &body)
             })
             .await
             .unwrap(),
@@ -401,7 +538,12 @@ async fn a_key_at_an_unknown_recovery_point_does_not_stop_the_others(pool: PgPoo
     let (store, clock) = setup(&pool).await;
     let body = json!({"a": 1});
     for name in ["a", "b", "c"] {
-        let _ = acquired(store.claim(request(1, &key(name), &body)).await.unwrap());
+        let _ = acquired(
+            store
+                .claim(request(&Owner::from(1), &key(name), &body))
+                .await
+                .unwrap(),
+        );
     }
     sqlx::query(
         "UPDATE idempotency_keys SET recovery_point = 'renamed' WHERE idempotency_key = 'b'",
@@ -424,7 +566,7 @@ async fn a_phase_cannot_skip_to_finished_or_back_to_started(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let mut lease = acquired(
         store
-            .claim(request(1, &key("k"), &json!({})))
+            .claim(request(&Owner::from(1), &key("k"), &json!({})))
             .await
             .unwrap(),
     );
@@ -474,11 +616,19 @@ fn existing(begun: Begun<Point>) -> Claim<Point> {
 async fn refused_claims_neither_write_nor_lock_the_row(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     // Held: a second claim is refused by a read.
     let held = row_version(&pool).await;
     assert!(matches!(
-        store.claim::<Point>(request(1, &k, &body)).await.unwrap(),
+        store
+            .claim::<Point>(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
         Claim::InFlight { .. }
     ));
     assert_eq!(
@@ -498,12 +648,15 @@ async fn refused_claims_neither_write_nor_lock_the_row(pool: PgPool) {
     let finished = row_version(&pool).await;
     for _ in 0..3 {
         assert!(matches!(
-            store.claim::<Point>(request(1, &k, &body)).await.unwrap(),
+            store
+                .claim::<Point>(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap(),
             Claim::Replay(_)
         ));
         assert!(matches!(
             store
-                .claim::<Point>(request(1, &k, &json!({"a": 2})))
+                .claim::<Point>(request(&Owner::from(1), &k, &json!({"a": 2})))
                 .await
                 .unwrap(),
             Claim::Mismatch
@@ -511,7 +664,7 @@ async fn refused_claims_neither_write_nor_lock_the_row(pool: PgPool) {
         assert!(matches!(
             existing(
                 store
-                    .begin(request(1, &k, &body), Point::Halfway)
+                    .begin(request(&Owner::from(1), &k, &body), Point::Halfway)
                     .await
                     .unwrap()
             ),
@@ -531,7 +684,7 @@ async fn begin_inserts_a_new_key_at_the_first_point_with_the_phase_rows(pool: Pg
     let (k, body) = (key("k1"), json!({"a": 1}));
     let mut first = new_phase(
         store
-            .begin(request(1, &k, &body), Point::Halfway)
+            .begin(request(&Owner::from(1), &k, &body), Point::Halfway)
             .await
             .unwrap(),
     );
@@ -564,7 +717,7 @@ async fn begin_inserts_a_new_key_at_the_first_point_with_the_phase_rows(pool: Pg
     assert!(matches!(
         existing(
             store
-                .begin(request(1, &k, &body), Point::Halfway)
+                .begin(request(&Owner::from(1), &k, &body), Point::Halfway)
                 .await
                 .unwrap()
         ),
@@ -581,7 +734,7 @@ async fn begin_inserts_a_new_key_at_the_first_point_with_the_phase_rows(pool: Pg
     assert!(matches!(
         existing(
             store
-                .begin(request(1, &k, &body), Point::Halfway)
+                .begin(request(&Owner::from(1), &k, &body), Point::Halfway)
                 .await
                 .unwrap()
         ),
@@ -596,7 +749,7 @@ async fn a_first_phase_dropped_uncommitted_leaves_no_key(pool: PgPool) {
     {
         let mut first = new_phase(
             store
-                .begin(request(1, &k, &body), Point::Halfway)
+                .begin(request(&Owner::from(1), &k, &body), Point::Halfway)
                 .await
                 .unwrap(),
         );
@@ -613,7 +766,7 @@ async fn a_first_phase_dropped_uncommitted_leaves_no_key(pool: PgPool) {
     let other = json!({"a": 2});
     let _first = new_phase(
         store
-            .begin(request(1, &k, &other), Point::Halfway)
+            .begin(request(&Owner::from(1), &k, &other), Point::Halfway)
             .await
             .unwrap(),
     );
@@ -625,7 +778,7 @@ async fn a_key_taken_over_resumes_from_its_point_instead_of_starting_again(pool:
     let (k, body) = (key("k1"), json!({"a": 1}));
     let first = new_phase(
         store
-            .begin(request(1, &k, &body), Point::Halfway)
+            .begin(request(&Owner::from(1), &k, &body), Point::Halfway)
             .await
             .unwrap(),
     );
@@ -634,7 +787,7 @@ async fn a_key_taken_over_resumes_from_its_point_instead_of_starting_again(pool:
     clock.advance(TTL);
     let resumed = match existing(
         store
-            .begin(request(1, &k, &body), Point::Halfway)
+            .begin(request(&Owner::from(1), &k, &body), Point::Halfway)
             .await
             .unwrap(),
     ) {
@@ -657,7 +810,7 @@ async fn concurrent_begins_of_one_new_key_insert_it_once(pool: PgPool) {
             let (k, body) = (key("same"), json!({"a": 1}));
             barrier.wait().await;
             match store
-                .begin::<Point>(request(1, &k, &body), Point::Halfway)
+                .begin::<Point>(request(&Owner::from(1), &k, &body), Point::Halfway)
                 .await
                 .unwrap()
             {
@@ -691,7 +844,7 @@ async fn begin_optimistic_runs_a_request_in_one_transaction(pool: PgPool) {
     let (k, body) = (key("k1"), json!({"a": 1}));
     let mut first = new_phase(
         store
-            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .begin_optimistic(request(&Owner::from(1), &k, &body), Point::Started)
             .await
             .unwrap(),
     );
@@ -705,7 +858,7 @@ async fn begin_optimistic_runs_a_request_in_one_transaction(pool: PgPool) {
     assert_eq!(unfinished_rows(&pool).await, 0);
     match existing(
         store
-            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .begin_optimistic(request(&Owner::from(1), &k, &body), Point::Started)
             .await
             .unwrap(),
     ) {
@@ -715,7 +868,10 @@ async fn begin_optimistic_runs_a_request_in_one_transaction(pool: PgPool) {
     assert!(matches!(
         existing(
             store
-                .begin_optimistic(request(1, &k, &json!({"a": 2})), Point::Started)
+                .begin_optimistic(
+                    request(&Owner::from(1), &k, &json!({"a": 2})),
+                    Point::Started
+                )
                 .await
                 .unwrap()
         ),
@@ -725,7 +881,7 @@ async fn begin_optimistic_runs_a_request_in_one_transaction(pool: PgPool) {
     let other = key("k2");
     let first = new_phase(
         store
-            .begin_optimistic(request(1, &other, &body), Point::Halfway)
+            .begin_optimistic(request(&Owner::from(1), &other, &body), Point::Halfway)
             .await
             .unwrap(),
     );
@@ -756,13 +912,13 @@ async fn a_key_being_inserted_is_in_flight_once_the_lock_timeout_runs_out(pool: 
     let (k, body) = (key("k1"), json!({"a": 1}));
     let first = new_phase(
         store
-            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .begin_optimistic(request(&Owner::from(1), &k, &body), Point::Started)
             .await
             .unwrap(),
     );
     match existing(
         impatient
-            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .begin_optimistic(request(&Owner::from(1), &k, &body), Point::Started)
             .await
             .unwrap(),
     ) {
@@ -773,7 +929,7 @@ async fn a_key_being_inserted_is_in_flight_once_the_lock_timeout_runs_out(pool: 
     assert!(matches!(
         existing(
             impatient
-                .begin_optimistic(request(1, &k, &body), Point::Started)
+                .begin_optimistic(request(&Owner::from(1), &k, &body), Point::Started)
                 .await
                 .unwrap()
         ),
@@ -790,7 +946,7 @@ async fn a_finished_key_whose_row_is_being_written_still_replays_after_the_lock_
     let (k, body) = (key("k1"), json!({"a": 1}));
     let first = new_phase(
         store
-            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .begin_optimistic(request(&Owner::from(1), &k, &body), Point::Started)
             .await
             .unwrap(),
     );
@@ -803,7 +959,7 @@ async fn a_finished_key_whose_row_is_being_written_still_replays_after_the_lock_
         .unwrap();
     match existing(
         impatient
-            .begin_optimistic(request(1, &k, &body), Point::Started)
+            .begin_optimistic(request(&Owner::from(1), &k, &body), Point::Started)
             .await
             .unwrap(),
     ) {
@@ -813,7 +969,10 @@ async fn a_finished_key_whose_row_is_being_written_still_replays_after_the_lock_
     assert!(matches!(
         existing(
             impatient
-                .begin_optimistic(request(1, &k, &json!({"a": 2})), Point::Started)
+                .begin_optimistic(
+                    request(&Owner::from(1), &k, &json!({"a": 2})),
+                    Point::Started
+                )
                 .await
                 .unwrap()
         ),
@@ -828,10 +987,10 @@ async fn begin_refuses_finished_as_the_first_point(pool: PgPool) {
     let (k, body) = (key("k1"), json!({"a": 1}));
     for begun in [
         store
-            .begin::<Point>(request(1, &k, &body), Point::Finished)
+            .begin::<Point>(request(&Owner::from(1), &k, &body), Point::Finished)
             .await,
         store
-            .begin_optimistic::<Point>(request(1, &k, &body), Point::Finished)
+            .begin_optimistic::<Point>(request(&Owner::from(1), &k, &body), Point::Finished)
             .await,
     ] {
         assert!(matches!(begun, Err(Error::InvalidTransition { .. })));
@@ -891,7 +1050,7 @@ async fn key_row_updates_are_hot_without_vacuum(pool: PgPool) {
         let (k, body) = (key(&format!("k{i}")), json!({"a": i, "note": "a ride"}));
         let first = new_phase(
             store
-                .begin(request(1, &k, &body), Point::Halfway)
+                .begin(request(&Owner::from(1), &k, &body), Point::Halfway)
                 .await
                 .unwrap(),
         );
@@ -939,7 +1098,12 @@ async fn key_row_updates_are_hot_without_vacuum(pool: PgPool) {
 async fn a_holder_knows_by_its_own_clock_when_its_lease_may_be_gone(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let mut lease = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let mut lease = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(store.lease_left(&lease), TTL);
 
     // The holder stands still past its lease: it knows, without asking the database.
@@ -961,7 +1125,12 @@ async fn a_holder_knows_by_its_own_clock_when_its_lease_may_be_gone(pool: PgPool
 
     // Taken over meanwhile (the clock moved past the lease): the renewal says so.
     clock.advance(TTL + Duration::from_millis(50));
-    let _taken = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let _taken = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(store.lease_left(&lease), Duration::ZERO);
     assert!(matches!(
         store.renew(&mut lease).await,
@@ -992,7 +1161,12 @@ async fn a_statement_waits_on_a_lock(pool: &PgPool) {
 async fn a_claim_whose_answer_is_held_past_the_lease_knows_the_lease_is_gone(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
-    let _abandoned = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let _abandoned = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     clock.advance(TTL + Duration::from_secs(1));
     // The takeover's statement is held between its sending and its answer: here by a table
     // lock that lets the claim's read through and holds its write (a row lock would not: the
@@ -1006,7 +1180,10 @@ async fn a_claim_whose_answer_is_held_past_the_lease_knows_the_lease_is_gone(poo
         let (store, body) = (store.clone(), body.clone());
         async move {
             let k = key("k1");
-            store.claim::<Point>(request(1, &k, &body)).await.unwrap()
+            store
+                .claim::<Point>(request(&Owner::from(1), &k, &body))
+                .await
+                .unwrap()
         }
     });
     a_statement_waits_on_a_lock(&pool).await;
@@ -1018,7 +1195,12 @@ async fn a_claim_whose_answer_is_held_past_the_lease_knows_the_lease_is_gone(poo
     // The lease it got was timed from before its statement: it is over, and the holder knows.
     assert_eq!(store.lease_left(&late), Duration::ZERO);
     // Another attempt takes the key over; the late holder learns it before any foreign call.
-    let taker = acquired(store.claim(request(1, &k, &body)).await.unwrap());
+    let taker = acquired(
+        store
+            .claim(request(&Owner::from(1), &k, &body))
+            .await
+            .unwrap(),
+    );
     assert_eq!(taker.token(), 3);
     assert!(matches!(
         store.renew(&mut late).await,

@@ -59,12 +59,13 @@ pub enum MigrateError {
     Service(#[from] sqlx::migrate::MigrateError),
 }
 
-/// Applies the idempotency crate's migrations, then the service's own.
+/// Applies the idempotency crate's migrations and the service's own, in the order of their
+/// versions: `rides` references `idempotency_keys`, by an integer owner before the crate's
+/// 20261202000001 and by its text form after.
 pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
     // The crate keeps its own bookkeeping, and moves the entries that earlier versions left in
-    // sqlx's table to it: the service's migrator sees only the service's migrations.
-    idempotency::migrate(pool).await?;
-    sqlx::migrate!("./migrations").run(pool).await?;
+    // sqlx's table to it: sqlx's table holds only the service's migrations.
+    idempotency::migrate_with(pool, &sqlx::migrate!("./migrations")).await?;
     Ok(())
 }
 

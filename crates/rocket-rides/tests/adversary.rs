@@ -32,7 +32,7 @@ const IDEMPOTENCY_ERROR: &str = r#"{"error":{"type":"idempotency_error","message
 
 /// The stored response status of the only key of this user, if any.
 async fn stored_status(app: &TestApp, user_id: i64) -> Option<i32> {
-    sqlx::query_scalar("SELECT response_status::int FROM idempotency_keys WHERE user_id = $1")
+    sqlx::query_scalar("SELECT response_status::int FROM idempotency_keys WHERE owner = $1::text")
         .bind(user_id)
         .fetch_one(&app.pool)
         .await
@@ -611,7 +611,7 @@ async fn fixed_the_layer_runs_a_handler_on_a_lease_that_ran_out_during_its_claim
     let ttl = Duration::from_secs(30);
     let store =
         idempotency::Store::new(pool.clone(), std::sync::Arc::new(clock.clone()), ttl).unwrap();
-    let layer = idempotency_axum::IdempotencyLayer::new(store, |_| Ok(1))
+    let layer = idempotency_axum::IdempotencyLayer::new(store, |_| Ok(idempotency::Owner::from(1)))
         .with_heartbeat(Duration::from_millis(50));
     let effects = Effects::default();
     let router = axum::Router::new()

@@ -1,6 +1,7 @@
 //! Ready to be distributed by user (docs/scaling.md): every statement the library and the
 //! service send to the keys, rides, audit records, staged jobs and receipts names its user, and
-//! every unique index of those tables includes `user_id`.
+//! every unique index of those tables includes it: the library's key tables by their `owner`,
+//! the service's tables by `user_id`.
 //!
 //! The statements are read from the crates' source: every string literal that touches one of
 //! the tables is checked. A statement that reads across users on purpose (a maintenance scan of
@@ -20,6 +21,15 @@ const TABLES: [&str; 6] = [
     "ride_receipts",
 ];
 
+/// The column that names a table's user: the library's key tables call it the key's owner.
+fn owner_column(table: &str) -> &'static str {
+    if table.starts_with("idempotency_keys") {
+        "owner"
+    } else {
+        "user_id"
+    }
+}
+
 /// The marker of a statement that reads across users on purpose.
 const ALL_USERS: &str = "-- all users:";
 
@@ -27,7 +37,7 @@ const ALL_USERS: &str = "-- all users:";
 const UNIQUE_WITHOUT_USER: [&str; 1] = [
     // "A charge is recorded on at most one ride": kept across users by the database itself.
     // (The library's UNIQUE (id) is dropped by this application's migrations, which reference
-    // (user_id, id) only.)
+    // (owner, id) only.)
     "rides_charge_id_key",
 ];
 
@@ -151,9 +161,11 @@ fn violation(sql: &str) -> Option<String> {
         return writes.then(|| "reads across users but writes or locks".to_owned());
     }
     let lower = code.to_ascii_lowercase();
-    let filters =
-        lower.contains("user_id = ") || lower.contains("user_id=") || lower.contains("user_id in");
-    let inserts_owner = upper.contains("INSERT") && lower.contains("user_id");
+    let column = owner_column(touched_table(sql)?);
+    let filters = [" = ", "=", " in"]
+        .iter()
+        .any(|op| lower.contains(&format!("{column}{op}")));
+    let inserts_owner = upper.contains("INSERT") && lower.contains(column);
     (!filters && !inserts_owner).then(|| "does not name its user".to_owned())
 }
 
@@ -201,13 +213,16 @@ fn the_checker_catches_a_statement_without_its_user() {
     assert!(violation("-- all users: a scan\nSELECT id FROM rides FOR UPDATE").is_some());
     assert!(violation("SELECT id FROM rides WHERE user_id = $1 AND id = $2").is_none());
     assert!(violation("INSERT INTO audit_records (user_id, action) VALUES ($1, $2)").is_none());
+    // The key tables name their user as the key's owner; user_id there is no filter.
+    assert!(violation("SELECT id FROM idempotency_keys WHERE owner = $1 AND id = $2").is_none());
+    assert!(violation("SELECT id FROM idempotency_keys WHERE user_id = $1 AND id = $2").is_some());
     assert!(touched_table("SELECT id FROM users WHERE api_key_hash = $1").is_none());
     let literals = string_literals("let c = '\"'; // \"not sql\"\nlet s = r#\"a \"b\" c\"#;");
     assert_eq!(literals, vec!["a \"b\" c".to_owned()]);
 }
 
 #[sqlx::test(migrations = false)]
-async fn every_unique_index_of_the_distributed_tables_includes_user_id(pool: PgPool) {
+async fn every_unique_index_of_the_distributed_tables_includes_its_user(pool: PgPool) {
     rocket_rides::db::migrate(&pool).await.unwrap();
     let indexes: Vec<(String, String, Vec<String>)> = sqlx::query_as(
         "SELECT t.relname::text, i.relname::text,
@@ -229,9 +244,10 @@ async fn every_unique_index_of_the_distributed_tables_includes_user_id(pool: PgP
         if UNIQUE_WITHOUT_USER.contains(&index.as_str()) {
             continue;
         }
+        let column = owner_column(table);
         assert!(
-            columns.iter().any(|c| c == "user_id"),
-            "{table}.{index} ({columns:?}) does not include user_id"
+            columns.iter().any(|c| c == column),
+            "{table}.{index} ({columns:?}) does not include {column}"
         );
     }
     for exception in UNIQUE_WITHOUT_USER {

@@ -325,7 +325,7 @@ async fn first_phase_done(
         .store
         .begin(
             idempotency::NewRequest {
-                user_id,
+                owner: &idempotency::Owner::from(user_id),
                 method: "POST",
                 route,
                 key: &key,

@@ -116,9 +116,9 @@ async fn a_request_past_its_deadline_is_a_503_with_retry_after(pool: PgPool) {
     // Another transaction holds the key's row: the request's claim waits on it.
     let mut holder = app.pool.begin().await.unwrap();
     sqlx::query(
-        "INSERT INTO idempotency_keys (user_id, request_method, request_path, idempotency_key,
+        "INSERT INTO idempotency_keys (owner, request_method, request_path, idempotency_key,
                                        fingerprint, request_params, recovery_point)
-         VALUES ($1, 'POST', '/rides', 'k-1', decode(repeat('00', 32), 'hex'), '{}', 'started')",
+         VALUES ($1::text, 'POST', '/rides', 'k-1', decode(repeat('00', 32), 'hex'), '{}', 'started')",
     )
     .bind(user_id)
     .execute(&mut *holder)

@@ -482,20 +482,27 @@ async fn an_unreachable_gateway_is_a_503_and_the_retry_charges_once(pool: PgPool
 }
 
 #[sqlx::test(migrations = false)]
-async fn the_database_itself_refuses_a_second_ride_per_key_and_a_charge_on_two_rides(pool: PgPool) {
+async fn the_database_itself_refuses_a_second_ride_per_key_a_charge_on_two_rides_and_another_owner(
+    pool: PgPool,
+) {
     // The code never tries this; the constraints are the last line of defence if it ever did.
     let (app, _, api_key) = app_with_user(pool).await;
     let reply = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     let ride_id = reply.json()["ride_id"].as_i64().unwrap();
-    let same_key = "INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon,
-                                       target_lat, target_lon, amount_cents)
-                    SELECT user_id, idempotency_key_id, 0, 0, 0, 0, 100 FROM rides WHERE id = $1";
-    let same_charge = "INSERT INTO rides (user_id, charge_id, status, origin_lat, origin_lon,
-                                          target_lat, target_lon, amount_cents)
-                       SELECT user_id, charge_id, 'paid', 0, 0, 0, 0, 100 FROM rides WHERE id = $1";
+    let same_key = "INSERT INTO rides (user_id, key_owner, idempotency_key_id, origin_lat,
+                                       origin_lon, target_lat, target_lon, amount_cents)
+                    SELECT user_id, key_owner, idempotency_key_id, 0, 0, 0, 0, 100
+                    FROM rides WHERE id = $1";
+    let same_charge = "INSERT INTO rides (user_id, key_owner, charge_id, status, origin_lat,
+                                          origin_lon, target_lat, target_lon, amount_cents)
+                       SELECT user_id, key_owner, charge_id, 'paid', 0, 0, 0, 0, 100
+                       FROM rides WHERE id = $1";
+    // A ride cannot name its key under another owner than its user.
+    let other_owner = "UPDATE rides SET key_owner = (user_id + 1)::text WHERE id = $1";
     for (sql, constraint) in [
         (same_key, "rides_idempotency_key_unique"),
         (same_charge, "rides_charge_id_key"),
+        (other_owner, "rides_key_owner_is_the_user"),
     ] {
         let err = sqlx::query(sql)
             .bind(ride_id)

@@ -3,7 +3,7 @@
 use axum::extract::FromRequestParts;
 use http::request::Parts;
 use http::StatusCode;
-use idempotency::{IdempotencyKey, Lease, OneStep, Uuid};
+use idempotency::{IdempotencyKey, Lease, OneStep, Owner, Uuid};
 
 use crate::problem::{types, Problem};
 
@@ -32,7 +32,7 @@ pub const NOT_CLAIMED_DETAIL: &str = "the request failed";
 pub struct ClaimedKey {
     key_id: i64,
     request_uuid: Uuid,
-    user_id: i64,
+    owner: Owner,
     key: IdempotencyKey,
     attempt: i32,
 }
@@ -42,7 +42,7 @@ impl ClaimedKey {
         Self {
             key_id: lease.key_id(),
             request_uuid: lease.request_uuid(),
-            user_id: lease.user_id(),
+            owner: lease.owner().clone(),
             key,
             attempt: lease.attempts(),
         }
@@ -63,8 +63,8 @@ impl ClaimedKey {
     }
 
     /// Whose key it is: what the layer's scope gave.
-    pub fn user_id(&self) -> i64 {
-        self.user_id
+    pub fn owner(&self) -> &Owner {
+        &self.owner
     }
 
     /// The client's key, as it sent it (unquoted).

@@ -149,7 +149,7 @@ use std::time::Duration;
 
 use http::request::Parts;
 use http::{response, HeaderName, StatusCode};
-use idempotency::Store;
+use idempotency::{Owner, Store};
 
 pub use claimed::{ClaimedKey, NOT_CLAIMED_DETAIL};
 pub use disposition::Disposition;
@@ -176,7 +176,7 @@ pub const LEASE_LOST_DETAIL: &str =
 
 /// Who owns a request's keys: a user id from the request, or the status to refuse it with
 /// (typically 401), answered as an `about:blank` problem.
-pub type ScopeFn = dyn Fn(&Parts) -> Result<i64, StatusCode> + Send + Sync;
+pub type ScopeFn = dyn Fn(&Parts) -> Result<Owner, StatusCode> + Send + Sync;
 
 /// What becomes of the key, from the handler's answer (see [`Disposition`]).
 pub type DispositionFn = dyn Fn(&response::Parts) -> Disposition + Send + Sync;
@@ -210,7 +210,7 @@ impl IdempotencyLayer {
     /// authentication middleware set), or answers instead.
     pub fn new(
         store: Store,
-        scope: impl Fn(&Parts) -> Result<i64, StatusCode> + Send + Sync + 'static,
+        scope: impl Fn(&Parts) -> Result<Owner, StatusCode> + Send + Sync + 'static,
     ) -> Self {
         Self {
             store,
@@ -238,7 +238,7 @@ impl IdempotencyLayer {
     /// use idempotency_axum::IdempotencyLayer;
     ///
     /// fn layer(store: idempotency::Store) -> IdempotencyLayer {
-    ///     IdempotencyLayer::new(store, |_| Ok(1)).transactional()
+    ///     IdempotencyLayer::new(store, |_| Ok(idempotency::Owner::from(1))).transactional()
     /// }
     /// ```
     pub fn transactional(mut self) -> Self {
@@ -276,7 +276,7 @@ impl IdempotencyLayer {
     /// use idempotency_axum::IdempotencyLayer;
     ///
     /// fn layer(store: idempotency::Store) -> IdempotencyLayer {
-    ///     IdempotencyLayer::new(store, |_| Ok(1)).with_disposition(|answer| {
+    ///     IdempotencyLayer::new(store, |_| Ok(idempotency::Owner::from(1))).with_disposition(|answer| {
     ///         answer
     ///             .extensions
     ///             .get::<Disposition>()
@@ -320,7 +320,7 @@ impl IdempotencyLayer {
     /// use idempotency_axum::IdempotencyLayer;
     ///
     /// fn layer(store: idempotency::Store) -> IdempotencyLayer {
-    ///     IdempotencyLayer::new(store, |_| Ok(1))
+    ///     IdempotencyLayer::new(store, |_| Ok(idempotency::Owner::from(1)))
     ///         .store_headers(["content-type", "location", "x-transfer-id"])
     ///         .expect("valid, storable header names")
     /// }

@@ -9,7 +9,7 @@ use axum::body::{Body, Bytes};
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::{Request, StatusCode};
-use idempotency::{Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep};
+use idempotency::{Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Owner};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tower::ServiceExt;
@@ -67,7 +67,7 @@ struct Scoped {
     parts: Parts,
     bytes: Bytes,
     key: IdempotencyKey,
-    user_id: i64,
+    owner: Owner,
     /// The path and query, or their SHA-256 when too long for the scope.
     scope_target: String,
     /// The path and query as sent: what the fingerprint covers.
@@ -90,7 +90,7 @@ where
 {
     let (parts, body) = request.into_parts();
     let key = key_from_headers(&parts.headers).map_err(IntoResponse::into_response)?;
-    let user_id = (layer.scope)(&parts).map_err(|status| {
+    let owner = (layer.scope)(&parts).map_err(|status| {
         let title = status.canonical_reason().unwrap_or("Refused");
         Problem::new(status, "about:blank", title).into_response()
     })?;
@@ -109,7 +109,7 @@ where
         parts,
         bytes,
         key,
-        user_id,
+        owner,
         scope_target,
         target,
         params,
@@ -188,7 +188,7 @@ where
         Fingerprint::of_bytes(&method, &scoped.target, &scoped.bytes)
     };
     let request = |fingerprint| NewRequest {
-        user_id: scoped.user_id,
+        owner: &scoped.owner,
         method: &method,
         route: &scoped.scope_target,
         key: &scoped.key,

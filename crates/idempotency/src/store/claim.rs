@@ -99,7 +99,7 @@ impl Store {
         name = "idempotency.claim",
         level = "debug",
         skip_all,
-        fields(user_id = req.user_id, method = req.method, route = req.route)
+        fields(owner = req.owner.as_str(), method = req.method, route = req.route)
     )]
     pub async fn claim<P: RecoveryPoint>(&self, req: NewRequest<'_>) -> Result<Claim<P>, Error> {
         let started = Instant::now();
@@ -180,7 +180,7 @@ impl Store {
         name = "idempotency.claim",
         level = "debug",
         skip_all,
-        fields(user_id = req.user_id, method = req.method, route = req.route)
+        fields(owner = req.owner.as_str(), method = req.method, route = req.route)
     )]
     pub async fn begin<P: RecoveryPoint>(
         &self,
@@ -258,7 +258,7 @@ impl Store {
         name = "idempotency.claim",
         level = "debug",
         skip_all,
-        fields(user_id = req.user_id, method = req.method, route = req.route)
+        fields(owner = req.owner.as_str(), method = req.method, route = req.route)
     )]
     pub async fn begin_optimistic<P: RecoveryPoint>(
         &self,
@@ -373,11 +373,11 @@ impl Store {
                    finished_at < coalesce($5::timestamptz, now()) - $6 * interval '1 millisecond'
                        AS expired
             FROM idempotency_keys
-            WHERE user_id = $1 AND request_method = $2 AND request_path = $3
+            WHERE owner = $1 AND request_method = $2 AND request_path = $3
               AND idempotency_key = $4
             "#,
         )
-        .bind(req.user_id)
+        .bind(req.owner.as_str())
         .bind(req.method)
         .bind(req.route)
         .bind(req.key.as_str())
@@ -386,9 +386,9 @@ impl Store {
         .fetch_optional(db)
         .await
         .map_err(Error::db(format!(
-            "read key {:?} of user {}",
+            "read key {:?} of owner {}",
             req.key.as_str(),
-            req.user_id
+            req.owner
         )))?;
         let Some(row) = row else {
             return Ok(Found::Absent);
@@ -414,7 +414,7 @@ impl Store {
             -- it would hold its connection for as long, and retries would pile up on the pool.
             WITH free AS (
                 SELECT id FROM idempotency_keys
-                WHERE user_id = $1 AND request_method = $2 AND request_path = $3
+                WHERE owner = $1 AND request_method = $2 AND request_path = $3
                   AND idempotency_key = $4
                   AND finished_at IS NULL
                   AND fingerprint = $5
@@ -427,12 +427,12 @@ impl Store {
                 locked_until = coalesce($6::timestamptz, now()) + $7 * interval '1 millisecond',
                 last_run_at  = coalesce($6::timestamptz, now())
             FROM free
-            WHERE k.user_id = $1 AND k.id = free.id
+            WHERE k.owner = $1 AND k.id = free.id
             RETURNING k.id, k.request_uuid, k.lease_token, k.attempts, k.completer_attempts,
                       k.recovery_point, k.request_params, k.locked_until
             "#,
         )
-        .bind(req.user_id)
+        .bind(req.owner.as_str())
         .bind(req.method)
         .bind(req.route)
         .bind(req.key.as_str())
@@ -442,7 +442,7 @@ impl Store {
         .fetch_optional(db)
         .await;
         match row {
-            Ok(Some(row)) => lease_from_row(&row, req.user_id, asked_at).map(Taken::Lease),
+            Ok(Some(row)) => lease_from_row(&row, req.owner.clone(), asked_at).map(Taken::Lease),
             Ok(None) => Ok(Taken::NotClaimable),
             Err(e) if is_lock_timeout(&e) => Ok(Taken::Locked),
             Err(e) => Err(Error::db(claim_context(req))(e)),
@@ -464,24 +464,24 @@ impl Store {
             r#"
             WITH inserted AS (
                 INSERT INTO idempotency_keys
-                    (user_id, request_method, request_path, idempotency_key, fingerprint,
+                    (owner, request_method, request_path, idempotency_key, fingerprint,
                      request_params, recovery_point, locked_until, created_at, last_run_at)
                 VALUES ($1, $2, $3, $4, $5, $6, $7,
                         coalesce($8::timestamptz, now()) + $9 * interval '1 millisecond',
                         coalesce($8::timestamptz, now()), coalesce($8::timestamptz, now()))
-                ON CONFLICT (user_id, request_method, request_path, idempotency_key) DO NOTHING
-                RETURNING user_id, id, request_uuid, request_method, request_path, created_at,
+                ON CONFLICT (owner, request_method, request_path, idempotency_key) DO NOTHING
+                RETURNING owner, id, request_uuid, request_method, request_path, created_at,
                           locked_until
             ), tracked AS (
                 INSERT INTO idempotency_keys_unfinished
-                    (user_id, key_id, request_method, request_path, created_at)
-                SELECT user_id, id, request_method, request_path, created_at
+                    (owner, key_id, request_method, request_path, created_at)
+                SELECT owner, id, request_method, request_path, created_at
                 FROM inserted WHERE $10
             )
             SELECT id, request_uuid, locked_until FROM inserted
             "#,
         )
-        .bind(req.user_id)
+        .bind(req.owner.as_str())
         .bind(req.method)
         .bind(req.route)
         .bind(req.key.as_str())
@@ -504,7 +504,7 @@ impl Store {
         Ok(Inserted::Row(Lease {
             key_id: row.get("id"),
             request_uuid: row.get::<Uuid, _>("request_uuid"),
-            user_id: req.user_id,
+            owner: req.owner.clone(),
             token: 1,
             attempts: 1,
             completer_attempts: 0,
@@ -533,12 +533,12 @@ impl Store {
         let deleted = sqlx::query(
             r#"
             DELETE FROM idempotency_keys
-            WHERE user_id = $1 AND id = $2
+            WHERE owner = $1 AND id = $2
               AND finished_at = $3
               AND finished_at < coalesce($4::timestamptz, now()) - $5 * interval '1 millisecond'
             "#,
         )
-        .bind(req.user_id)
+        .bind(req.owner.as_str())
         .bind(expired.key_id)
         .bind(expired.finished_at)
         .bind(self.now())
@@ -552,7 +552,7 @@ impl Store {
             Err(e) => return Err(expiry_error(req, expired, e)),
         }
         tracing::info!(
-            user_id = req.user_id,
+            owner = req.owner.as_str(),
             expired_key_id = expired.key_id,
             finished_at = %expired.finished_at,
             "idempotency key past its retention: answered as a new request"
@@ -566,9 +566,9 @@ impl Store {
 fn expiry_error(req: &NewRequest<'_>, expired: Expired, e: sqlx::Error) -> Error {
     let referenced = is_referenced(&e);
     let context = format!(
-        "expire key {:?} of user {} (row {}, finished at {} and past the retention)",
+        "expire key {:?} of owner {} (row {}, finished at {} and past the retention)",
         req.key.as_str(),
-        req.user_id,
+        req.owner,
         expired.key_id,
         expired.finished_at
     );
@@ -617,7 +617,7 @@ fn check_first<P: RecoveryPoint>(first: P) -> Result<(), Error> {
 }
 
 fn claim_context(req: &NewRequest<'_>) -> String {
-    format!("claim key {:?} for user {}", req.key.as_str(), req.user_id)
+    format!("claim key {:?} for owner {}", req.key.as_str(), req.owner)
 }
 
 fn in_flight_uncommitted<P>() -> Claim<P> {
@@ -706,12 +706,12 @@ impl<P: RecoveryPoint> FirstPhase<P> {
             sqlx::query(
                 r#"
                 INSERT INTO idempotency_keys_unfinished
-                    (user_id, key_id, request_method, request_path, created_at)
-                SELECT user_id, id, request_method, request_path, created_at
-                FROM idempotency_keys WHERE user_id = $1 AND id = $2
+                    (owner, key_id, request_method, request_path, created_at)
+                SELECT owner, id, request_method, request_path, created_at
+                FROM idempotency_keys WHERE owner = $1 AND id = $2
                 "#,
             )
-            .bind(self.lease.user_id)
+            .bind(self.lease.owner.as_str())
             .bind(key_id)
             .execute(&mut *self.tx)
             .await

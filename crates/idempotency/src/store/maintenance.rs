@@ -11,7 +11,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::model::{lease_from_row, Lease, RecoveryPoint, Store};
-use crate::Error;
+use crate::{Error, Owner};
 
 /// How many candidates the completer reads per key it wants: the read takes no locks, so some
 /// candidates are being claimed by other completers (and are skipped); reading more keeps them
@@ -41,14 +41,14 @@ impl Store {
         let context = || format!("claim abandoned keys of {method} {route}");
         let now = self.now();
         let grace = grace.as_millis().min(i64::MAX as u128) as i64;
-        let candidates: Vec<(i64, i64)> = sqlx::query_as(
+        let candidates: Vec<(String, i64)> = sqlx::query_as(
             r#"
             -- all users: a read of candidates, without locks; each is claimed below by user.
             -- The unfinished keys of the route, from their own small table, least recently
             -- attempted first, so that keys that keep failing take turns with the others.
-            SELECT k.user_id, k.id
+            SELECT k.owner, k.id
             FROM idempotency_keys_unfinished u
-            JOIN idempotency_keys k ON k.user_id = u.user_id AND k.id = u.key_id
+            JOIN idempotency_keys k ON k.owner = u.owner AND k.id = u.key_id
             WHERE u.request_method = $4 AND u.request_path = $5
               AND k.finished_at IS NULL
               AND (k.locked_until IS NULL OR k.locked_until <= coalesce($1::timestamptz, now()))
@@ -72,7 +72,7 @@ impl Store {
         .map_err(Error::db(context()))?;
         let limit = usize::try_from(limit.clamp(1, 10_000)).unwrap_or(1);
         let mut leases = Vec::with_capacity(limit);
-        for (user_id, key_id) in candidates {
+        for (owner, key_id) in candidates {
             if leases.len() == limit {
                 break;
             }
@@ -81,7 +81,7 @@ impl Store {
                 r#"
                 WITH abandoned AS (
                     SELECT id FROM idempotency_keys
-                    WHERE user_id = $4 AND id = $5
+                    WHERE owner = $4 AND id = $5
                       AND finished_at IS NULL
                       AND (locked_until IS NULL OR locked_until <= coalesce($1::timestamptz, now()))
                       AND (completer_attempts > 0
@@ -96,21 +96,21 @@ impl Store {
                     locked_until       = coalesce($1::timestamptz, now()) + $3 * interval '1 millisecond',
                     last_run_at        = coalesce($1::timestamptz, now())
                 FROM abandoned
-                WHERE k.user_id = $4 AND k.id = abandoned.id
-                RETURNING k.id, k.request_uuid, k.user_id, k.lease_token, k.attempts,
+                WHERE k.owner = $4 AND k.id = abandoned.id
+                RETURNING k.id, k.request_uuid, k.owner, k.lease_token, k.attempts,
                           k.completer_attempts, k.recovery_point, k.request_params, k.locked_until
                 "#,
             )
             .bind(now)
             .bind(grace)
             .bind(self.ttl_millis())
-            .bind(user_id)
+            .bind(&owner)
             .bind(key_id)
             .fetch_optional(&self.pool)
             .await
             .map_err(Error::db(context()))?;
             if let Some(row) = row {
-                leases.push(lease_from_row(&row, user_id, asked_at));
+                leases.push(lease_from_row(&row, Owner::stored(owner), asked_at));
             }
         }
         Ok(leases)
@@ -129,11 +129,11 @@ impl Store {
             UPDATE idempotency_keys
             SET locked_until = NULL,
                 next_attempt_at = coalesce($4::timestamptz, now()) + $5 * interval '1 millisecond'
-            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             "#,
         )
         .bind(lease.key_id)
-        .bind(lease.user_id)
+        .bind(lease.owner.as_str())
         .bind(lease.token)
         .bind(self.now())
         .bind(backoff.as_millis().min(i64::MAX as u128) as i64)
@@ -182,12 +182,12 @@ impl Store {
     pub async fn reap_finished(&self, retention: Duration, limit: i64) -> Result<u64, Error> {
         let now = self.now();
         let retention = retention.as_millis().min(i64::MAX as u128) as i64;
-        let candidates: Vec<(i64, i64)> = sqlx::query_as(
+        let candidates: Vec<(String, i64)> = sqlx::query_as(
             r#"
             -- all users: a read of candidates, without locks; each user's are deleted below.
             -- By creation, whose index no update touches: a key finished before the cutoff was
             -- created before it. Unfinished old keys are passed over (they are few).
-            SELECT user_id, id FROM idempotency_keys
+            SELECT owner, id FROM idempotency_keys
             WHERE created_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
               AND finished_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
             ORDER BY created_at
@@ -200,27 +200,27 @@ impl Store {
         .fetch_all(&self.pool)
         .await
         .map_err(Error::db("find finished keys to reap"))?;
-        let mut by_user: std::collections::BTreeMap<i64, Vec<i64>> = Default::default();
-        for (user_id, key_id) in candidates {
-            by_user.entry(user_id).or_default().push(key_id);
+        let mut by_owner: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+        for (owner, key_id) in candidates {
+            by_owner.entry(owner).or_default().push(key_id);
         }
         let mut reaped = 0;
-        for (user_id, key_ids) in by_user {
+        for (owner, key_ids) in by_owner {
             let deleted = sqlx::query(
                 r#"
                 DELETE FROM idempotency_keys
-                WHERE user_id = $1 AND id = ANY($2)
+                WHERE owner = $1 AND id = ANY($2)
                   AND finished_at IS NOT NULL
                   AND finished_at < coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
                 "#,
             )
-            .bind(user_id)
+            .bind(&owner)
             .bind(&key_ids)
             .bind(now)
             .bind(retention)
             .execute(&self.pool)
             .await
-            .map_err(Error::db(format!("reap finished keys of user {user_id}")))?;
+            .map_err(Error::db(format!("reap finished keys of owner {owner}")))?;
             reaped += deleted.rows_affected();
         }
         Ok(reaped)
@@ -259,7 +259,7 @@ impl Store {
             KeyFilter::All => ("", None),
             KeyFilter::Unfinished => (
                 "-- all users: the keys listed as unfinished.
-                 WHERE (user_id, id) IN (SELECT user_id, key_id FROM idempotency_keys_unfinished)",
+                 WHERE (owner, id) IN (SELECT owner, key_id FROM idempotency_keys_unfinished)",
                 None,
             ),
             KeyFilter::FinishedWith(status) => ("WHERE response_status = $2", Some(status)),
@@ -296,7 +296,7 @@ pub struct KeyRecord {
     /// The request's random identifier, from which foreign keys are derived.
     pub request_uuid: Uuid,
     /// Owner.
-    pub user_id: i64,
+    pub owner: String,
     /// HTTP method.
     pub request_method: String,
     /// Route template.
@@ -330,7 +330,7 @@ pub struct KeyRecord {
 }
 
 const KEY_RECORD_COLUMNS: &str =
-    "id, request_uuid, user_id, request_method, request_path, idempotency_key, \
+    "id, request_uuid, owner, request_method, request_path, idempotency_key, \
     recovery_point, locked_until, lease_token, attempts, completer_attempts, next_attempt_at, \
     response_status, \
     request_params, created_at, finished_at";
@@ -345,7 +345,7 @@ impl KeyRecord {
         Ok(Self {
             id,
             request_uuid: row.try_get("request_uuid").map_err(get)?,
-            user_id: row.try_get("user_id").map_err(get)?,
+            owner: row.try_get("owner").map_err(get)?,
             request_method: row.try_get("request_method").map_err(get)?,
             request_path: row.try_get("request_path").map_err(get)?,
             idempotency_key: row.try_get("idempotency_key").map_err(get)?,

@@ -40,7 +40,7 @@
 //!   increments their tokens like any claim; **the reaper** deletes finished keys past retention
 //!   in short batches, never unfinished ones.
 //!
-//! Every statement carries `user_id`, so the table can be distributed by user.
+//! Every statement carries the key's `owner`, so the table can be distributed by owner.
 
 mod claim;
 mod maintenance;

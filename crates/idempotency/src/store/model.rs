@@ -12,7 +12,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::observe::{Observed, Observer};
-use crate::{Clock, Error, Fingerprint, IdempotencyKey, StoredResponse};
+use crate::{Clock, Error, Fingerprint, IdempotencyKey, Owner, StoredResponse};
 
 /// The lease time-to-live when none is configured.
 ///
@@ -68,8 +68,8 @@ impl RecoveryPoint for OneStep {
 /// What a claim attempt is about.
 #[derive(Debug, Clone, Copy)]
 pub struct NewRequest<'a> {
-    /// The owner of the key: keys of different users never meet.
-    pub user_id: i64,
+    /// The owner of the key: keys of different owners never meet.
+    pub owner: &'a Owner,
     /// The HTTP method, `POST`.
     pub method: &'a str,
     /// The route template, `/rides`.
@@ -106,7 +106,7 @@ pub enum Claim<P> {
 pub struct Lease<P> {
     pub(super) key_id: i64,
     pub(super) request_uuid: Uuid,
-    pub(super) user_id: i64,
+    pub(super) owner: Owner,
     pub(super) token: i64,
     pub(super) attempts: i32,
     pub(super) completer_attempts: i32,
@@ -137,8 +137,8 @@ impl<P: RecoveryPoint> Lease<P> {
     }
 
     /// The owner of the key.
-    pub fn user_id(&self) -> i64 {
-        self.user_id
+    pub fn owner(&self) -> &Owner {
+        &self.owner
     }
 
     /// The fencing token this holder acquired.
@@ -331,7 +331,7 @@ impl Store {
 /// claim's statement was sent.
 pub(crate) fn lease_from_row<P: RecoveryPoint>(
     row: &PgRow,
-    user_id: i64,
+    owner: Owner,
     asked_at: Duration,
 ) -> Result<Lease<P>, Error> {
     let key_id: i64 = row.get("id");
@@ -341,7 +341,7 @@ pub(crate) fn lease_from_row<P: RecoveryPoint>(
     Ok(Lease {
         key_id,
         request_uuid: row.get("request_uuid"),
-        user_id,
+        owner,
         token: row.get("lease_token"),
         attempts: row.get("attempts"),
         completer_attempts: row.get("completer_attempts"),

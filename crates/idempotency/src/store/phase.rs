@@ -71,12 +71,12 @@ impl Store {
         let held: Option<i32> = sqlx::query_scalar(
             r#"
             SELECT 1 FROM idempotency_keys
-            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             FOR UPDATE
             "#,
         )
         .bind(lease.key_id)
-        .bind(lease.user_id)
+        .bind(lease.owner.as_str())
         .bind(lease.token)
         .fetch_optional(&mut *tx)
         .await
@@ -142,12 +142,12 @@ impl Store {
             SET recovery_point = $4,
                 locked_until   = coalesce($5::timestamptz, now()) + $6 * interval '1 millisecond',
                 last_run_at    = coalesce($5::timestamptz, now())
-            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             RETURNING locked_until
             "#,
         )
         .bind(lease.key_id)
-        .bind(lease.user_id)
+        .bind(lease.owner.as_str())
         .bind(lease.token)
         .bind(point)
         .bind(self.now())
@@ -172,12 +172,12 @@ impl Store {
             r#"
             UPDATE idempotency_keys
             SET locked_until = coalesce($4::timestamptz, now()) + $5 * interval '1 millisecond'
-            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             RETURNING locked_until
             "#,
         )
         .bind(lease.key_id)
-        .bind(lease.user_id)
+        .bind(lease.owner.as_str())
         .bind(lease.token)
         .bind(self.now())
         .bind(self.ttl_millis())
@@ -214,11 +214,11 @@ impl Store {
             r#"
             UPDATE idempotency_keys
             SET locked_until = NULL
-            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
+            WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             "#,
         )
         .bind(lease.key_id)
-        .bind(lease.user_id)
+        .bind(lease.owner.as_str())
         .bind(lease.token)
         .execute(&self.pool)
         .await
@@ -270,17 +270,17 @@ impl Store {
             r#"
             WITH deleted AS (
                 DELETE FROM idempotency_keys
-                WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
-                RETURNING user_id, id
+                WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
+                RETURNING owner, id
             ), untracked AS (
                 DELETE FROM idempotency_keys_unfinished u USING deleted d
-                WHERE u.user_id = d.user_id AND u.key_id = d.id
+                WHERE u.owner = d.owner AND u.key_id = d.id
             )
             SELECT count(*) FROM deleted
             "#,
         )
         .bind(lease.key_id)
-        .bind(lease.user_id)
+        .bind(lease.owner.as_str())
         .bind(lease.token)
         .fetch_one(&self.pool)
         .await
@@ -468,17 +468,17 @@ pub(super) async fn finish_key<P: RecoveryPoint>(
                 response_body    = $7,
                 locked_until     = NULL,
                 finished_at      = coalesce($8::timestamptz, now())
-            WHERE id = $1 AND user_id = $2 AND lease_token = $3 AND finished_at IS NULL
-            RETURNING user_id, id
+            WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
+            RETURNING owner, id
         ), untracked AS (
             DELETE FROM idempotency_keys_unfinished u USING finished f
-            WHERE u.user_id = f.user_id AND u.key_id = f.id
+            WHERE u.owner = f.owner AND u.key_id = f.id
         )
         SELECT count(*) FROM finished
         "#,
     )
     .bind(key_id)
-    .bind(lease.user_id)
+    .bind(lease.owner.as_str())
     .bind(lease.token)
     .bind(P::FINISHED.name())
     .bind(response.status as i16)

@@ -397,7 +397,7 @@ async fn storm_check(subject: &Subject) -> anyhow::Result<Check> {
     let (key_rows, rides): (i64, i64) = sqlx::query_as(
         "SELECT count(DISTINCT k.id), count(r.id)
          FROM idempotency_keys k
-         LEFT JOIN rides r ON r.user_id = k.user_id AND r.idempotency_key_id = k.id
+         LEFT JOIN rides r ON r.key_owner = k.owner AND r.idempotency_key_id = k.id
          WHERE k.idempotency_key = ANY($1)",
     )
     .bind(keys)

@@ -28,7 +28,7 @@ pub(crate) struct Snapshot {
 impl Snapshot {
     pub(crate) async fn take(pool: &PgPool) -> sqlx::Result<Self> {
         let rows: Vec<(i64, String, String, bool)> = sqlx::query_as(
-            "SELECT user_id, idempotency_key, recovery_point, finished_at IS NOT NULL
+            "SELECT owner::bigint, idempotency_key, recovery_point, finished_at IS NOT NULL
              FROM idempotency_keys",
         )
         .fetch_all(pool)

@@ -857,16 +857,16 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
                 // holder is alive and waiting on the gateway. Locked rows are in a phase: skipped.
                 let stolen: Result<Option<i64>, _> = sqlx::query_scalar(
                     "WITH renewed AS (
-                         SELECT user_id, id FROM idempotency_keys
+                         SELECT owner, id FROM idempotency_keys
                          WHERE finished_at IS NULL
                            AND locked_until > last_run_at + $1 * interval '1 millisecond'
                            AND locked_until > now() + $2 * interval '1 millisecond'
-                           AND user_id <> ALL($3)
+                           AND owner <> ALL($3::text[])
                          ORDER BY random() LIMIT 1
                          FOR UPDATE SKIP LOCKED
                      )
                      UPDATE idempotency_keys k SET lease_token = k.lease_token + 1
-                     FROM renewed WHERE k.user_id = renewed.user_id AND k.id = renewed.id
+                     FROM renewed WHERE k.owner = renewed.owner AND k.id = renewed.id
                      RETURNING k.id",
                 )
                 .bind(renewed_after.as_millis() as i64)

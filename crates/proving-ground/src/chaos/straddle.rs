@@ -197,8 +197,8 @@ async fn db_now(pool: &PgPool) -> Option<OffsetDateTime> {
 async fn generation_at(pool: &PgPool, log: &RequestLog) -> Option<OffsetDateTime> {
     sqlx::query_scalar(
         "SELECT r.charge_generation_at FROM rides r
-         JOIN idempotency_keys k ON k.user_id = r.user_id AND k.id = r.idempotency_key_id
-         WHERE k.user_id = $1 AND k.idempotency_key = $2",
+         JOIN idempotency_keys k ON k.owner = r.key_owner AND k.id = r.idempotency_key_id
+         WHERE k.owner = $1::text AND k.idempotency_key = $2",
     )
     .bind(log.user.id)
     .bind(&log.key)

@@ -10,7 +10,7 @@ use time::OffsetDateTime;
 
 use super::outcomes::{declined, made_up_refusal, refusal_or_error, refused, settle, Found};
 use super::reconcile::{keep_doubt, reconcile, Doubt, Reconciled};
-use super::{db, gateway_key, BookingError, RidePoint, Step};
+use super::{db, gateway_key, rider, BookingError, RidePoint, Step};
 use crate::metrics::{ChargeOutcome, GatewayCall};
 use crate::state::AppState;
 use crate::stripe::{Charge, ChargeError, NewCharge, Refusal, REQUEST_METADATA};
@@ -87,7 +87,7 @@ impl ChargeTarget {
             WHERE r.user_id = $1 AND r.idempotency_key_id = $2
             "#,
         )
-        .bind(lease.user_id())
+        .bind(rider(lease)?)
         .bind(lease.key_id())
         .bind(state.store.now())
         .bind(window)
@@ -246,7 +246,7 @@ pub(super) async fn record_attempt(
     lease: &mut Lease<RidePoint>,
     target: &mut ChargeTarget,
 ) -> Result<(), BookingError> {
-    let user_id = lease.user_id();
+    let user_id = rider(lease)?;
     let point = lease.recovery_point();
     let mut phase = state.store.phase(lease, point).await?;
     target.attempted_at = sqlx::query_scalar(

@@ -162,6 +162,19 @@ pub enum BookingError {
     Crashed(&'static str),
 }
 
+/// The rider a key belongs to. Rocket Rides names a key's owner by its user's id
+/// (`Owner::from(user.id)`), so every key of its routes holds one; anything else is a key this
+/// service did not write.
+pub(crate) fn rider<P: RecoveryPoint>(lease: &Lease<P>) -> Result<i64, BookingError> {
+    lease.owner().as_str().parse().map_err(|_| {
+        BookingError::Internal(format!(
+            "key {} is owned by {:?}, which is not a user id",
+            lease.key_id(),
+            lease.owner().as_str()
+        ))
+    })
+}
+
 impl From<idempotency::Error> for BookingError {
     fn from(e: idempotency::Error) -> Self {
         match e {
@@ -215,7 +228,7 @@ pub async fn create_ride(
     request: &RideRequest,
     customer: &str,
 ) -> Result<(Lease<RidePoint>, ChargeTarget), BookingError> {
-    let (user_id, key_id) = (first.lease().user_id(), first.lease().key_id());
+    let (user_id, key_id) = (rider(first.lease())?, first.lease().key_id());
     let (lease, (ride_id, first_attempt_at)) = if state.failpoints.split_first_phase() {
         // The chaos harness's negative control: the key's recovery point and its ride in two
         // transactions, so that a failure between them leaves a key naming no ride.
@@ -291,7 +304,7 @@ async fn resume_started(
     let request: RideRequest = serde_json::from_value(lease.params().clone()).map_err(|e| {
         BookingError::Internal(format!("key {} has unreadable params: {e}", lease.key_id()))
     })?;
-    let user_id = lease.user_id();
+    let user_id = rider(lease)?;
     let mut phase = state.store.phase(lease, RidePoint::RideCreated).await?;
     let key_id = phase.key_id();
     insert_ride(phase.conn(), state, user_id, Some(key_id), &request).await?;

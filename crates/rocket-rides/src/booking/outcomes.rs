@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::charge::{under_lease, ChargeTarget};
 use super::rows::{audit, charge_paid, stage_receipt};
-use super::{crash_point, db, BookingError, RidePoint, Step};
+use super::{crash_point, db, rider, BookingError, RidePoint, Step};
 use crate::metrics::GatewayCall;
 use crate::problem::types;
 use crate::ride::RideView;
@@ -87,7 +87,7 @@ async fn paid(
     charge: &Charge,
     found: Found,
 ) -> Result<Step, BookingError> {
-    let user_id = lease.user_id();
+    let user_id = rider(lease)?;
     let mut phase = state.store.final_phase(lease).await?;
     let adopted = found == Found::Adopted;
     let ride = charge_paid(phase.conn(), user_id, ride_id, &charge.id, adopted).await?;
@@ -104,7 +104,7 @@ async fn record_pending(
     ride_id: i64,
     charge: &Charge,
 ) -> Result<(), BookingError> {
-    let user_id = lease.user_id();
+    let user_id = rider(lease)?;
     let mut phase = state.store.phase(lease, RidePoint::ChargePending).await?;
     sqlx::query(
         "UPDATE rides SET charge_id = $3, status = 'payment_pending', updated_at = now()
@@ -198,7 +198,7 @@ pub(super) async fn declined(
     code: &str,
     message: &str,
 ) -> Result<Step, BookingError> {
-    let user_id = lease.user_id();
+    let user_id = rider(lease)?;
     let mut phase = state.store.final_phase(lease).await?;
     // A charge recorded pending that then failed is not the ride's charge: it moved no money.
     sqlx::query(
@@ -271,7 +271,7 @@ pub(super) async fn refused(
         message = %redact_secrets(&refusal.message),
         "the gateway refused the charge for good"
     );
-    let user_id = lease.user_id();
+    let user_id = rider(lease)?;
     let mut phase = state.store.final_phase(lease).await?;
     sqlx::query(
         "UPDATE rides SET status = 'failed', charge_doubt = NULL, charge_refusal = NULL,
@@ -314,7 +314,7 @@ pub(super) async fn finish_recorded(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
 ) -> Result<Step, BookingError> {
-    let user_id = lease.user_id();
+    let user_id = rider(lease)?;
     let key_id = lease.key_id();
     let mut phase = state.store.final_phase(lease).await?;
     let ride = RideView::by_key(&mut *phase.conn(), user_id, key_id)

@@ -12,7 +12,7 @@ use time::OffsetDateTime;
 use super::charge::{record_attempt, under_lease, ChargeTarget, Kept};
 use super::outcomes::gateway_error;
 use super::rows::audit;
-use super::{crash_point, db, BookingError, RidePoint};
+use super::{crash_point, db, rider, BookingError, RidePoint};
 use crate::metrics::{GatewayCall, Reconciliation};
 use crate::state::AppState;
 use crate::stripe::{Charge, ChargeError, Refusal};
@@ -139,7 +139,7 @@ async fn wait_for_calls(
         FROM rides WHERE user_id = $1 AND id = $2
         "#,
     )
-    .bind(lease.user_id())
+    .bind(rider(lease)?)
     .bind(target.ride_id)
     .bind(bound)
     .bind(state.store.now())
@@ -186,7 +186,7 @@ pub(super) async fn keep_doubt(
         kind = %refusal.kind,
         "the gateway refused, but may hold a charge for the request; reconciling first"
     );
-    let user_id = lease.user_id();
+    let user_id = rider(lease)?;
     let point = lease.recovery_point();
     let mut phase = state.store.phase(lease, point).await?;
     sqlx::query(
@@ -302,7 +302,7 @@ async fn next_generation(
     lease: &mut Lease<RidePoint>,
     target: &mut ChargeTarget,
 ) -> Result<(), BookingError> {
-    let user_id = lease.user_id();
+    let user_id = rider(lease)?;
     let now = state.store.now();
     let point = lease.recovery_point();
     let mut phase = state.store.phase(lease, point).await?;

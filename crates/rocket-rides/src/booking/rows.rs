@@ -21,10 +21,10 @@ pub(crate) async fn insert_ride(
     sqlx::query_as(
         r#"
         WITH ride AS (
-            INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
-                               target_lon, amount_cents, charge_first_attempt_at,
+            INSERT INTO rides (user_id, key_owner, idempotency_key_id, origin_lat, origin_lon,
+                               target_lat, target_lon, amount_cents, charge_first_attempt_at,
                                charge_generation_at, charge_attempted_at)
-            VALUES ($1, $2, $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()),
+            VALUES ($1, $1::text, $2, $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()),
                     coalesce($8::timestamptz, now()), coalesce($8::timestamptz, now()))
             RETURNING id, charge_first_attempt_at
         ), audited AS (

@@ -6,7 +6,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, Uri};
-use idempotency::{Begun, Fingerprint, Lease, NewRequest};
+use idempotency::{Begun, Fingerprint, Lease, NewRequest, Owner};
 use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
 use serde_json::json;
 use tracing::Instrument;
@@ -70,13 +70,14 @@ pub async fn create(
     let task = state.clone().tasks.spawn(
         async move {
             let fingerprint = Fingerprint::of_json("POST", RIDES_ROUTE, &json);
+            let owner = Owner::from(user.id);
             // A replay, a mismatch or a key in flight is answered from one read. A new key is
             // inserted in the transaction that creates its ride.
             let begun = state
                 .store
                 .begin::<RidePoint>(
                     NewRequest {
-                        user_id: user.id,
+                        owner: &owner,
                         method: "POST",
                         route: RIDES_ROUTE,
                         key: &key,

@@ -308,7 +308,7 @@ impl TestApp {
         self.state
             .store
             .claim(idempotency::NewRequest {
-                user_id,
+                owner: &idempotency::Owner::from(user_id),
                 method: "POST",
                 route,
                 key: &key,
@@ -333,7 +333,7 @@ impl TestApp {
     /// The recovery point of the only key of this user.
     pub async fn key_state(&self, user_id: i64) -> Option<(String, bool)> {
         sqlx::query_as(
-            "SELECT recovery_point, locked_until IS NOT NULL FROM idempotency_keys WHERE user_id = $1",
+            "SELECT recovery_point, locked_until IS NOT NULL FROM idempotency_keys WHERE owner = $1::text",
         )
         .bind(user_id)
         .fetch_optional(&self.pool)
@@ -393,12 +393,12 @@ impl TestApp {
     /// key at `charge_created` with no response stored.
     pub async fn as_left_at_charge_created(&self, key: &str) {
         let recorded = sqlx::query(
-            "WITH k AS (SELECT user_id, id, request_uuid FROM idempotency_keys
+            "WITH k AS (SELECT owner, id, request_uuid FROM idempotency_keys
                         WHERE idempotency_key = $1),
                   c AS (SELECT id FROM fakestripe.charges
                         WHERE metadata->>'rocket_rides_request' = (SELECT request_uuid::text FROM k)),
                   r AS (UPDATE rides SET charge_id = (SELECT id FROM c), status = 'paid'
-                        WHERE (user_id, idempotency_key_id) = (SELECT user_id, id FROM k)
+                        WHERE (key_owner, idempotency_key_id) = (SELECT owner, id FROM k)
                         RETURNING id)
              UPDATE idempotency_keys SET recovery_point = 'charge_created'
              WHERE id = (SELECT id FROM k) AND recovery_point = 'ride_created'
@@ -417,7 +417,7 @@ impl TestApp {
 
     /// The recovery point of the only key of this user.
     pub async fn recovery_point(&self, user_id: i64) -> String {
-        sqlx::query_scalar("SELECT recovery_point FROM idempotency_keys WHERE user_id = $1")
+        sqlx::query_scalar("SELECT recovery_point FROM idempotency_keys WHERE owner = $1::text")
             .bind(user_id)
             .fetch_one(&self.pool)
             .await
@@ -497,7 +497,7 @@ pub fn problem_kind(reply: &Reply) -> String {
 
 /// The request UUID of the only key of this user.
 pub async fn request_uuid(app: &TestApp, user_id: i64) -> String {
-    sqlx::query_scalar("SELECT request_uuid::text FROM idempotency_keys WHERE user_id = $1")
+    sqlx::query_scalar("SELECT request_uuid::text FROM idempotency_keys WHERE owner = $1::text")
         .bind(user_id)
         .fetch_one(&app.pool)
         .await
