@@ -11,7 +11,7 @@ use sqlx::PgPool;
 use super::clients::{is_payment_refused, Answer, RequestLog};
 use super::leases::LostLease;
 use super::report::{InvariantResult, MAX_EXAMPLES};
-use super::LEASE_STOLEN;
+use super::faults::LEASE_STOLEN;
 
 /// What the database held after the completer's final pass, before the late questions of
 /// [`super::clients::verify`] (which, as ordinary retries, would finish any key left behind).
