@@ -169,7 +169,8 @@ const CHECKS: &[CheckSpec] = &[
     // 1. One key, one effect: from the rows back to the requests.
     CheckSpec {
         name: "one_ride_per_key",
-        description: "every ride belongs to one requested key, of its user and amount, and no key has two",
+        description: "every ride belongs to one requested key, of its user and amount, and no key \
+            has two",
         run: one_ride_per_key,
     },
     CheckSpec {
@@ -180,49 +181,52 @@ const CHECKS: &[CheckSpec] = &[
     // 2. Nothing acknowledged is lost.
     CheckSpec {
         name: "acknowledged_201_is_paid",
-        description: "every 201 a client received names its own ride (user, key, amount), paid with that \
-         charge, and the charge exists at the gateway with the same amount",
+        description: "every 201 a client received names its own ride (user, key, amount), paid \
+            with that charge, and the charge exists at the gateway with the same amount",
         run: acknowledged_201_is_paid,
     },
     // 3. No money without a ride.
     CheckSpec {
         name: "no_charge_without_ride",
-        description: "every gateway charge is the recorded charge of exactly one ride, for its amount, on its \
-         owner's card",
+        description: "every gateway charge is the recorded charge of exactly one ride, for its \
+            amount, on its owner's card",
         run: no_charge_without_ride,
     },
     // 4. Replays are exact.
     CheckSpec {
         name: "replays_equal_first_answer",
-        description: "every later final answer (201, 402, 502 refused) for a key repeats the first one's \
-         status, body bytes, Location and Content-Type, marked Idempotent-Replayed",
+        description:
+            "every later final answer (201, 402, 502 refused) for a key repeats the first \
+            one's status, body bytes, Location and Content-Type, marked Idempotent-Replayed",
         run: replays_equal_first_answer,
     },
     // 5. A payload cannot be swapped.
     CheckSpec {
         name: "payload_swap_refused",
-        description: "the same key with another amount is refused with 422 (the rides keep their amounts: \
-         see one_ride_per_key)",
+        description: "the same key with another amount is refused with 422 (the rides keep their \
+            amounts: see one_ride_per_key)",
         run: payload_swap_refused,
     },
     // 7. Every started request finishes, without its client's help.
     CheckSpec {
         name: "every_key_finished",
-        description: "after the completer's final pass, before any late retry, no key is left unfinished",
+        description: "after the completer's final pass, before any late retry, no key is left \
+            unfinished",
         run: every_key_finished,
     },
     CheckSpec {
         name: "every_request_answered_afterwards",
-        description: "asked again after the run, every request gets a final answer, replayed when its key \
-         existed",
+        description: "asked again after the run, every request gets a final answer, replayed when \
+            its key existed",
         run: every_request_answered_afterwards,
     },
     CheckSpec {
         name: "no_unexpected_answer",
-        description: "during the run every answer was final (201, 402, 502 refused) or asked for a retry (409, \
-         503, no answer; a 500 only while PostgreSQL was away, or within 5 s after a database \
-         fault that fails one request, no more 500s than such faults), and no API or worker \
-         process died other than by the harness's hand",
+        description:
+            "during the run every answer was final (201, 402, 502 refused) or asked for a \
+            retry (409, 503, no answer; a 500 only while PostgreSQL was away, or within 5 s after \
+            a database fault that fails one request, no more 500s than such faults), and no API or \
+            worker process died other than by the harness's hand",
         run: no_unexpected_answer,
     },
     // Effects after payment: one receipt per paid ride.
@@ -234,31 +238,32 @@ const CHECKS: &[CheckSpec] = &[
     // Declines: from the cards to the rides and the answers.
     CheckSpec {
         name: "declines_follow_the_card",
-        description: "rides of declining cards are declined and charged nothing; rides of good cards are not \
-         declined; every 402 was for a declining card (a user whose customer the gateway came to \
-         refuse may also have failed rides); at least one request came from a declining card",
+        description: "rides of declining cards are declined and charged nothing; rides of good \
+            cards are not declined; every 402 was for a declining card (a user whose customer the \
+            gateway came to refuse may also have failed rides); at least one request came from a \
+            declining card",
         run: declines_follow_the_card,
     },
     // Refusals: the gateway's permanent no finishes the request, with no money moved.
     CheckSpec {
         name: "refused_keys_finish_with_502_and_no_charge",
-        description: "every failed ride belongs to a user whose customer the gateway refuses, has no gateway \
-         charge and its key finished with a 502; no stored 502 has a gateway charge naming its \
-         request; every 502 answer was for such a user's failed ride",
+        description: "every failed ride belongs to a user whose customer the gateway refuses, has \
+            no gateway charge and its key finished with a 502; no stored 502 has a gateway charge \
+            naming its request; every 502 answer was for such a user's failed ride",
         run: refused_keys_finish_with_502_and_no_charge,
     },
     // Adoption: a charge found by listing is the one the request made, and its only one.
     CheckSpec {
         name: "adopted_charge_is_the_rides_one_charge",
-        description: "every charge a ride adopted from a reconciling list names the ride's own request in its \
-         metadata and is the only charge that does",
+        description: "every charge a ride adopted from a reconciling list names the ride's own \
+            request in its metadata and is the only charge that does",
         run: adopted_charge_is_the_rides_one_charge,
     },
     CheckSpec {
         name: "lost_lease_stopped_its_holder",
-        description: "every lease renewal that found the lease taken over stopped its holder: no write \
-         (a phase, a gateway call, a release) followed under that key and fencing token; when \
-         the harness took leases over, at least one renewal found out",
+        description: "every lease renewal that found the lease taken over stopped its holder: no \
+            write (a phase, a gateway call, a release) followed under that key and fencing token; \
+            when the harness took leases over, at least one renewal found out",
         run: lost_lease_stopped_its_holder,
     },
     CheckSpec {
