@@ -9,9 +9,9 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use super::clients::{is_payment_refused, Answer, RequestLog};
+use super::faults::LEASE_STOLEN;
 use super::leases::LostLease;
 use super::report::{InvariantResult, MAX_EXAMPLES};
-use super::LEASE_STOLEN;
 
 /// What the database held after the completer's final pass, before the late questions of
 /// [`super::clients::verify`] (which, as ordinary retries, would finish any key left behind).
@@ -137,7 +137,8 @@ pub(crate) struct RunFacts<'a> {
     pub lost_leases: &'a [LostLease],
 }
 
-/// Runs every check. `pool` reaches the service's database, `gateway` the gateway's.
+/// Runs every check of [`CHECKS`], in its order. `pool` reaches the service's database,
+/// `gateway` the gateway's.
 pub(crate) async fn audit(
     pool: &PgPool,
     gateway: &PgPool,
@@ -145,9 +146,158 @@ pub(crate) async fn audit(
     before: &Snapshot,
     facts: &RunFacts<'_>,
 ) -> anyhow::Result<Vec<InvariantResult>> {
-    let (process_exits, refused_users) = (facts.process_exits, facts.refused_users);
-    let rides: Vec<Ride> = sqlx::query_as(
-        "SELECT r.id, r.user_id, k.idempotency_key AS key, k.request_uuid::text AS request,
+    let evidence = Evidence::load(pool, gateway, logs, before, facts).await?;
+    Ok(CHECKS
+        .iter()
+        .map(|spec| {
+            let mut check = Check::new(spec.name, spec.description);
+            (spec.run)(&evidence, &mut check);
+            check.result()
+        })
+        .collect())
+}
+
+/// One invariant: its name in the report, what it says, and the function that checks it.
+struct CheckSpec {
+    name: &'static str,
+    description: &'static str,
+    run: fn(&Evidence<'_>, &mut Check),
+}
+
+/// Every check, in the order of the report.
+const CHECKS: &[CheckSpec] = &[
+    // 1. One key, one effect: from the rows back to the requests.
+    CheckSpec {
+        name: "one_ride_per_key",
+        description: "every ride belongs to one requested key, of its user and amount, and no key \
+            has two",
+        run: one_ride_per_key,
+    },
+    CheckSpec {
+        name: "one_charge_per_key",
+        description: "at most one gateway charge per ride (so per key)",
+        run: one_charge_per_key,
+    },
+    // 2. Nothing acknowledged is lost.
+    CheckSpec {
+        name: "acknowledged_201_is_paid",
+        description: "every 201 a client received names its own ride (user, key, amount), paid \
+            with that charge, and the charge exists at the gateway with the same amount",
+        run: acknowledged_201_is_paid,
+    },
+    // 3. No money without a ride.
+    CheckSpec {
+        name: "no_charge_without_ride",
+        description: "every gateway charge is the recorded charge of exactly one ride, for its \
+            amount, on its owner's card",
+        run: no_charge_without_ride,
+    },
+    // 4. Replays are exact.
+    CheckSpec {
+        name: "replays_equal_first_answer",
+        description:
+            "every later final answer (201, 402, 502 refused) for a key repeats the first \
+            one's status, body bytes, Location and Content-Type, marked Idempotent-Replayed",
+        run: replays_equal_first_answer,
+    },
+    // 5. A payload cannot be swapped.
+    CheckSpec {
+        name: "payload_swap_refused",
+        description: "the same key with another amount is refused with 422 (the rides keep their \
+            amounts: see one_ride_per_key)",
+        run: payload_swap_refused,
+    },
+    // 7. Every started request finishes, without its client's help.
+    CheckSpec {
+        name: "every_key_finished",
+        description: "after the completer's final pass, before any late retry, no key is left \
+            unfinished",
+        run: every_key_finished,
+    },
+    CheckSpec {
+        name: "every_request_answered_afterwards",
+        description: "asked again after the run, every request gets a final answer, replayed when \
+            its key existed",
+        run: every_request_answered_afterwards,
+    },
+    CheckSpec {
+        name: "no_unexpected_answer",
+        description:
+            "during the run every answer was final (201, 402, 502 refused) or asked for a \
+            retry (409, 503, no answer; a 500 only while PostgreSQL was away, or within 5 s after \
+            a database fault that fails one request, no more 500s than such faults), and no API or \
+            worker process died other than by the harness's hand",
+        run: no_unexpected_answer,
+    },
+    // Effects after payment: one receipt per paid ride.
+    CheckSpec {
+        name: "one_receipt_per_paid_ride",
+        description: "every paid ride has its receipt, and no other ride has one",
+        run: one_receipt_per_paid_ride,
+    },
+    // Declines: from the cards to the rides and the answers.
+    CheckSpec {
+        name: "declines_follow_the_card",
+        description: "rides of declining cards are declined and charged nothing; rides of good \
+            cards are not declined; every 402 was for a declining card (a user whose customer the \
+            gateway came to refuse may also have failed rides); at least one request came from a \
+            declining card",
+        run: declines_follow_the_card,
+    },
+    // Refusals: the gateway's permanent no finishes the request, with no money moved.
+    CheckSpec {
+        name: "refused_keys_finish_with_502_and_no_charge",
+        description: "every failed ride belongs to a user whose customer the gateway refuses, has \
+            no gateway charge and its key finished with a 502; no stored 502 has a gateway charge \
+            naming its request; every 502 answer was for such a user's failed ride",
+        run: refused_keys_finish_with_502_and_no_charge,
+    },
+    // Adoption: a charge found by listing is the one the request made, and its only one.
+    CheckSpec {
+        name: "adopted_charge_is_the_rides_one_charge",
+        description: "every charge a ride adopted from a reconciling list names the ride's own \
+            request in its metadata and is the only charge that does",
+        run: adopted_charge_is_the_rides_one_charge,
+    },
+    CheckSpec {
+        name: "lost_lease_stopped_its_holder",
+        description: "every lease renewal that found the lease taken over stopped its holder: no \
+            write (a phase, a gateway call, a release) followed under that key and fencing token; \
+            when the harness took leases over, at least one renewal found out",
+        run: lost_lease_stopped_its_holder,
+    },
+    CheckSpec {
+        name: "every_fault_exercised",
+        description: "every fault kind the run configured was injected at least once",
+        run: every_fault_exercised,
+    },
+];
+
+/// What the checks read: the service's rows, the gateway's charges, what the clients received
+/// and what the run did.
+struct Evidence<'a> {
+    rides: Vec<Ride>,
+    /// Succeeded charges only: money moved. (The run makes no pending charges.)
+    charges: Vec<GatewayCharge>,
+    /// The rides that have a receipt.
+    receipts: HashSet<i64>,
+    /// The requests of the keys that stored a 502.
+    refused_requests: Vec<String>,
+    logs: &'a [RequestLog],
+    before: &'a Snapshot,
+    facts: &'a RunFacts<'a>,
+}
+
+impl<'a> Evidence<'a> {
+    async fn load(
+        pool: &PgPool,
+        gateway: &PgPool,
+        logs: &'a [RequestLog],
+        before: &'a Snapshot,
+        facts: &'a RunFacts<'a>,
+    ) -> anyhow::Result<Self> {
+        let rides: Vec<Ride> = sqlx::query_as(
+            "SELECT r.id, r.user_id, k.idempotency_key AS key, k.request_uuid::text AS request,
                 k.response_status, r.amount_cents, r.charge_id, r.status,
                 u.stripe_customer_id AS customer,
                 EXISTS (SELECT 1 FROM audit_records a
@@ -156,39 +306,69 @@ pub(crate) async fn audit(
                           AND (a.data->>'adopted')::boolean) AS adopted
          FROM rides r JOIN users u ON u.id = r.user_id
          LEFT JOIN idempotency_keys k ON k.id = r.idempotency_key_id",
-    )
-    .fetch_all(pool)
-    .await?;
-    // Succeeded charges only: money moved. (The run makes no pending charges.)
-    let charges: Vec<GatewayCharge> = sqlx::query_as(
-        "SELECT id, amount, customer_id, metadata->>'ride_id' AS ride_id,
+        )
+        .fetch_all(pool)
+        .await?;
+        let charges: Vec<GatewayCharge> = sqlx::query_as(
+            "SELECT id, amount, customer_id, metadata->>'ride_id' AS ride_id,
                 metadata->>'rocket_rides_request' AS request
          FROM fakestripe.charges WHERE status = 'succeeded'",
-    )
-    .fetch_all(gateway)
-    .await?;
-    let rides_by_id: HashMap<i64, &Ride> = rides.iter().map(|r| (r.id, r)).collect();
-    let charges_by_id: HashMap<&str, &GatewayCharge> =
-        charges.iter().map(|c| (c.id.as_str(), c)).collect();
-    let logs_by_key: HashMap<(i64, &str), &RequestLog> = logs
+        )
+        .fetch_all(gateway)
+        .await?;
+        let receipts: Vec<i64> = sqlx::query_scalar("SELECT ride_id FROM ride_receipts")
+            .fetch_all(pool)
+            .await?;
+        let refused_requests: Vec<String> = sqlx::query_scalar(
+            "SELECT request_uuid::text FROM idempotency_keys WHERE response_status = 502",
+        )
+        .fetch_all(pool)
+        .await?;
+        Ok(Self {
+            rides,
+            charges,
+            receipts: receipts.into_iter().collect(),
+            refused_requests,
+            logs,
+            before,
+            facts,
+        })
+    }
+
+    fn rides_by_id(&self) -> HashMap<i64, &Ride> {
+        self.rides.iter().map(|r| (r.id, r)).collect()
+    }
+
+    fn charges_by_id(&self) -> HashMap<&str, &GatewayCharge> {
+        self.charges.iter().map(|c| (c.id.as_str(), c)).collect()
+    }
+
+    /// The ids of the charges naming each ride (`(none)` for those naming none).
+    fn charges_per_ride(&self) -> HashMap<&str, Vec<&str>> {
+        let mut charges_per_ride: HashMap<&str, Vec<&str>> = HashMap::new();
+        for charge in &self.charges {
+            let ride = charge.ride_id.as_deref().unwrap_or("(none)");
+            charges_per_ride.entry(ride).or_default().push(&charge.id);
+        }
+        charges_per_ride
+    }
+}
+
+fn one_ride_per_key(evidence: &Evidence<'_>, check: &mut Check) {
+    let logs_by_key: HashMap<(i64, &str), &RequestLog> = evidence
+        .logs
         .iter()
         .map(|l| ((l.user.id, l.key.as_str()), l))
         .collect();
-
-    // 1. One key, one effect: from the rows back to the requests.
-    let mut one_ride = Check::new(
-        "one_ride_per_key",
-        "every ride belongs to one requested key, of its user and amount, and no key has two",
-    );
     let mut per_key: HashMap<(i64, &str), u64> = HashMap::new();
-    for ride in &rides {
+    for ride in &evidence.rides {
         let Some(key) = ride.key.as_deref() else {
-            one_ride.expect(false, || format!("ride {} has no key", ride.id));
+            check.expect(false, || format!("ride {} has no key", ride.id));
             continue;
         };
         *per_key.entry((ride.user_id, key)).or_default() += 1;
         let asked = logs_by_key.get(&(ride.user_id, key));
-        one_ride.expect(
+        check.expect(
             asked.is_some_and(|log| log.amount_cents == i64::from(ride.amount_cents)),
             || {
                 format!(
@@ -199,33 +379,23 @@ pub(crate) async fn audit(
         );
     }
     for ((user, key), count) in &per_key {
-        one_ride.expect(*count == 1, || {
+        check.expect(*count == 1, || {
             format!("user {user} key {key}: {count} rides")
         });
     }
+}
 
-    let mut one_charge = Check::new(
-        "one_charge_per_key",
-        "at most one gateway charge per ride (so per key)",
-    );
-    let mut charges_per_ride: HashMap<&str, Vec<&str>> = HashMap::new();
-    for charge in &charges {
-        let ride = charge.ride_id.as_deref().unwrap_or("(none)");
-        charges_per_ride.entry(ride).or_default().push(&charge.id);
-    }
-    for (ride, ids) in &charges_per_ride {
-        one_charge.expect(ids.len() == 1, || {
+fn one_charge_per_key(evidence: &Evidence<'_>, check: &mut Check) {
+    for (ride, ids) in &evidence.charges_per_ride() {
+        check.expect(ids.len() == 1, || {
             format!("ride {ride}: {} charges {ids:?}", ids.len())
         });
     }
+}
 
-    // 2. Nothing acknowledged is lost.
-    let mut acknowledged = Check::new(
-        "acknowledged_201_is_paid",
-        "every 201 a client received names its own ride (user, key, amount), paid with that \
-         charge, and the charge exists at the gateway with the same amount",
-    );
-    for log in logs {
+fn acknowledged_201_is_paid(evidence: &Evidence<'_>, check: &mut Check) {
+    let (rides_by_id, charges_by_id) = (evidence.rides_by_id(), evidence.charges_by_id());
+    for log in evidence.logs {
         for answer in all_answers(log).filter(|a| a.status == Some(201)) {
             let body: Value = answer
                 .body
@@ -244,7 +414,7 @@ pub(crate) async fn audit(
                         .get(charge_id)
                         .is_some_and(|c| c.amount == log.amount_cents)
             });
-            acknowledged.expect(holds, || {
+            check.expect(holds, || {
                 format!(
                     "key {}: 201 for ride {ride_id}, charge {charge_id:?}",
                     log.key
@@ -252,14 +422,11 @@ pub(crate) async fn audit(
             });
         }
     }
+}
 
-    // 3. No money without a ride.
-    let mut no_orphan = Check::new(
-        "no_charge_without_ride",
-        "every gateway charge is the recorded charge of exactly one ride, for its amount, on its \
-         owner's card",
-    );
-    for charge in &charges {
+fn no_charge_without_ride(evidence: &Evidence<'_>, check: &mut Check) {
+    let rides_by_id = evidence.rides_by_id();
+    for charge in &evidence.charges {
         let ride = charge
             .ride_id
             .as_deref()
@@ -270,21 +437,17 @@ pub(crate) async fn audit(
                 && i64::from(ride.amount_cents) == charge.amount
                 && ride.customer == charge.customer_id
         });
-        no_orphan.expect(holds, || {
+        check.expect(holds, || {
             format!(
                 "charge {} (ride {:?}) is recorded on no ride",
                 charge.id, charge.ride_id
             )
         });
     }
+}
 
-    // 4. Replays are exact.
-    let mut replays = Check::new(
-        "replays_equal_first_answer",
-        "every later final answer (201, 402, 502 refused) for a key repeats the first one's \
-         status, body bytes, Location and Content-Type, marked Idempotent-Replayed",
-    );
-    for log in logs {
+fn replays_equal_first_answer(evidence: &Evidence<'_>, check: &mut Check) {
+    for log in evidence.logs {
         let finals: Vec<&Answer> = all_answers(log).filter(|a| is_final(a)).collect();
         let Some(first) = finals.first() else {
             continue;
@@ -294,7 +457,7 @@ pub(crate) async fn audit(
                 && later.body == first.body
                 && later.location == first.location
                 && later.content_type == first.content_type;
-            replays.expect(same && later.replayed, || {
+            check.expect(same && later.replayed, || {
                 format!(
                     "key {}: answer {:?} (replayed: {}) differs from the first {:?}",
                     log.key, later.status, later.replayed, first.status
@@ -302,52 +465,41 @@ pub(crate) async fn audit(
             });
         }
     }
+}
 
-    // 5. A payload cannot be swapped.
-    let mut swaps = Check::new(
-        "payload_swap_refused",
-        "the same key with another amount is refused with 422 (the rides keep their amounts: \
-         see one_ride_per_key)",
-    );
-    for log in logs {
+fn payload_swap_refused(evidence: &Evidence<'_>, check: &mut Check) {
+    for log in evidence.logs {
         if let Some(swapped) = &log.swapped {
-            swaps.expect(swapped.status == Some(422), || {
+            check.expect(swapped.status == Some(422), || {
                 format!("key {}: another amount got {:?}", log.key, swapped.status)
             });
         }
     }
+}
 
-    // 7. Every started request finishes, without its client's help.
-    let mut finished = Check::new(
-        "every_key_finished",
-        "after the completer's final pass, before any late retry, no key is left unfinished",
-    );
-    finished.checked = before.total_keys;
-    finished.violations = before.unfinished.clone();
+fn every_key_finished(evidence: &Evidence<'_>, check: &mut Check) {
+    check.checked = evidence.before.total_keys;
+    check.violations = evidence.before.unfinished.clone();
+}
 
-    let mut late = Check::new(
-        "every_request_answered_afterwards",
-        "asked again after the run, every request gets a final answer, replayed when its key \
-         existed",
-    );
-    for log in logs {
+fn every_request_answered_afterwards(evidence: &Evidence<'_>, check: &mut Check) {
+    for log in evidence.logs {
         let answer = log.late.clone().unwrap_or_default();
-        let existed = before.keys.contains(&(log.user.id, log.key.clone()));
-        late.expect(is_final(&answer) && (answer.replayed || !existed), || {
+        let existed = evidence
+            .before
+            .keys
+            .contains(&(log.user.id, log.key.clone()));
+        check.expect(is_final(&answer) && (answer.replayed || !existed), || {
             format!(
                 "key {}: late answer {:?}, replayed: {}",
                 log.key, answer.status, answer.replayed
             )
         });
     }
+}
 
-    let mut unexpected = Check::new(
-        "no_unexpected_answer",
-        "during the run every answer was final (201, 402, 502 refused) or asked for a retry (409, \
-         503, no answer; a 500 only while PostgreSQL was away, or within 5 s after a database \
-         fault that fails one request, no more 500s than such faults), and no API or worker \
-         process died other than by the harness's hand",
-    );
+fn no_unexpected_answer(evidence: &Evidence<'_>, check: &mut Check) {
+    let facts = evidence.facts;
     // A 500 is the service's honest answer to a request whose database connection failed
     // under it. Outside PostgreSQL's outages, each terminated backend or cut commit fails one
     // request at most: the 500s must be no more than those faults, and each near one of them.
@@ -359,7 +511,7 @@ pub(crate) async fn audit(
             .any(|&f| f <= second + 1 && second <= f + FAULT_500_WINDOW_SECS)
     };
     let mut budget = facts.db_fault_seconds.len() as u64;
-    for log in logs {
+    for log in evidence.logs {
         for answer in &log.answers {
             let retry = match answer.status {
                 None | Some(409 | 503) => true,
@@ -370,7 +522,7 @@ pub(crate) async fn audit(
                 }
                 _ => false,
             };
-            unexpected.expect(is_final(answer) || retry, || {
+            check.expect(is_final(answer) || retry, || {
                 format!(
                     "key {}: unexpected {:?} at second {}",
                     log.key, answer.status, answer.second
@@ -378,22 +530,17 @@ pub(crate) async fn audit(
             });
         }
     }
-    unexpected.expect(process_exits == 0, || {
+    let process_exits = facts.process_exits;
+    check.expect(process_exits == 0, || {
         format!("{process_exits} processes exited on their own (see their logs)")
     });
+}
 
-    // Effects after payment: one receipt per paid ride.
-    let receipts: Vec<i64> = sqlx::query_scalar("SELECT ride_id FROM ride_receipts")
-        .fetch_all(pool)
-        .await?;
-    let receipts: HashSet<i64> = receipts.into_iter().collect();
-    let mut one_receipt = Check::new(
-        "one_receipt_per_paid_ride",
-        "every paid ride has its receipt, and no other ride has one",
-    );
-    for ride in &rides {
+fn one_receipt_per_paid_ride(evidence: &Evidence<'_>, check: &mut Check) {
+    let receipts = &evidence.receipts;
+    for ride in &evidence.rides {
         let paid = ride.status == "paid";
-        one_receipt.expect(paid == receipts.contains(&ride.id), || {
+        check.expect(paid == receipts.contains(&ride.id), || {
             format!(
                 "ride {} ({}) receipt: {}",
                 ride.id,
@@ -402,41 +549,38 @@ pub(crate) async fn audit(
             )
         });
     }
+}
 
-    // Declines: from the cards to the rides and the answers.
-    let declining: HashSet<i64> = logs
+fn declines_follow_the_card(evidence: &Evidence<'_>, check: &mut Check) {
+    let refused_users = evidence.facts.refused_users;
+    let declining: HashSet<i64> = evidence
+        .logs
         .iter()
         .filter(|l| l.user.declines)
         .map(|l| l.user.id)
         .collect();
-    let mut declines = Check::new(
-        "declines_follow_the_card",
-        "rides of declining cards are declined and charged nothing; rides of good cards are not \
-         declined; every 402 was for a declining card (a user whose customer the gateway came to \
-         refuse may also have failed rides); at least one request came from a declining card",
-    );
-    declines.expect(!declining.is_empty(), || {
+    check.expect(!declining.is_empty(), || {
         "no request came from a declining card: the check would pass for nothing (use more \
          users: every fifth one declines)"
             .to_owned()
     });
-    for ride in &rides {
+    for ride in &evidence.rides {
         let expected = if declining.contains(&ride.user_id) {
             "declined"
         } else {
             "paid"
         };
         let refused = refused_users.contains(&ride.user_id) && ride.status == "failed";
-        declines.expect(ride.status == expected || refused, || {
+        check.expect(ride.status == expected || refused, || {
             format!(
                 "ride {} of user {} is {}, expected {expected}",
                 ride.id, ride.user_id, ride.status
             )
         });
     }
-    for log in logs {
+    for log in evidence.logs {
         for answer in all_answers(log).filter(|a| a.status == Some(402)) {
-            declines.expect(log.user.declines, || {
+            check.expect(log.user.declines, || {
                 format!(
                     "key {} (user {}): 402 for a good card {answer:?}",
                     log.key, log.user.id
@@ -444,25 +588,23 @@ pub(crate) async fn audit(
             });
         }
     }
+}
 
-    // Refusals: the gateway's permanent no finishes the request, with no money moved.
-    let mut refusals = Check::new(
-        "refused_keys_finish_with_502_and_no_charge",
-        "every failed ride belongs to a user whose customer the gateway refuses, has no gateway \
-         charge and its key finished with a 502; no stored 502 has a gateway charge naming its \
-         request; every 502 answer was for such a user's failed ride",
-    );
-    let charged_requests: HashSet<&str> = charges
+fn refused_keys_finish_with_502_and_no_charge(evidence: &Evidence<'_>, check: &mut Check) {
+    let refused_users = evidence.facts.refused_users;
+    let charges_per_ride = evidence.charges_per_ride();
+    let charged_requests: HashSet<&str> = evidence
+        .charges
         .iter()
         .filter_map(|c| c.request.as_deref())
         .collect();
-    for ride in rides.iter().filter(|r| r.status == "failed") {
+    for ride in evidence.rides.iter().filter(|r| r.status == "failed") {
         let charged = ride
             .request
             .as_deref()
             .is_some_and(|r| charged_requests.contains(r))
             || charges_per_ride.contains_key(ride.id.to_string().as_str());
-        refusals.expect(
+        check.expect(
             refused_users.contains(&ride.user_id) && !charged && ride.response_status == Some(502),
             || {
                 format!(
@@ -477,24 +619,20 @@ pub(crate) async fn audit(
         );
     }
     // A stored 502 says "nothing was charged": no gateway charge may name its request.
-    let refused_requests: Vec<String> = sqlx::query_scalar(
-        "SELECT request_uuid::text FROM idempotency_keys WHERE response_status = 502",
-    )
-    .fetch_all(pool)
-    .await?;
-    for request in &refused_requests {
-        refusals.expect(!charged_requests.contains(request.as_str()), || {
+    for request in &evidence.refused_requests {
+        check.expect(!charged_requests.contains(request.as_str()), || {
             format!("request {request} stored a 502, and a gateway charge names it")
         });
     }
-    let rides_by_key: HashMap<(i64, &str), &Ride> = rides
+    let rides_by_key: HashMap<(i64, &str), &Ride> = evidence
+        .rides
         .iter()
         .filter_map(|r| Some(((r.user_id, r.key.as_deref()?), r)))
         .collect();
-    for log in logs {
+    for log in evidence.logs {
         for answer in all_answers(log).filter(|a| a.status == Some(502)) {
             let ride = rides_by_key.get(&(log.user.id, log.key.as_str()));
-            refusals.expect(
+            check.expect(
                 is_payment_refused(answer)
                     && refused_users.contains(&log.user.id)
                     && ride.is_some_and(|r| r.status == "failed"),
@@ -502,18 +640,15 @@ pub(crate) async fn audit(
             );
         }
     }
+}
 
-    // Adoption: a charge found by listing is the one the request made, and its only one.
-    let mut adopted = Check::new(
-        "adopted_charge_is_the_rides_one_charge",
-        "every charge a ride adopted from a reconciling list names the ride's own request in its \
-         metadata and is the only charge that does",
-    );
+fn adopted_charge_is_the_rides_one_charge(evidence: &Evidence<'_>, check: &mut Check) {
+    let charges_by_id = evidence.charges_by_id();
     let mut charges_per_request: HashMap<&str, u64> = HashMap::new();
-    for request in charges.iter().filter_map(|c| c.request.as_deref()) {
+    for request in evidence.charges.iter().filter_map(|c| c.request.as_deref()) {
         *charges_per_request.entry(request).or_default() += 1;
     }
-    for ride in rides.iter().filter(|r| r.adopted) {
+    for ride in evidence.rides.iter().filter(|r| r.adopted) {
         let charge = ride
             .charge_id
             .as_deref()
@@ -523,31 +658,19 @@ pub(crate) async fn audit(
                 .request
                 .as_deref()
                 .is_some_and(|r| charges_per_request.get(r) == Some(&1));
-        adopted.expect(holds, || {
+        check.expect(holds, || {
             format!(
                 "ride {} adopted charge {:?}, which does not name its request alone",
                 ride.id, ride.charge_id
             )
         });
     }
+}
 
-    let mut exercised = Check::new(
-        "every_fault_exercised",
-        "every fault kind the run configured was injected at least once",
-    );
-    for kind in facts.configured {
-        let count = facts.injected.get(*kind).copied().unwrap_or(0);
-        exercised.expect(count > 0, || format!("fault never exercised: {kind}"));
-    }
-
-    let mut stopped = Check::new(
-        "lost_lease_stopped_its_holder",
-        "every lease renewal that found the lease taken over stopped its holder: no write \
-         (a phase, a gateway call, a release) followed under that key and fencing token; when \
-         the harness took leases over, at least one renewal found out",
-    );
+fn lost_lease_stopped_its_holder(evidence: &Evidence<'_>, check: &mut Check) {
+    let facts = evidence.facts;
     for lost in facts.lost_leases {
-        stopped.expect(lost.writes_after.is_empty(), || {
+        check.expect(lost.writes_after.is_empty(), || {
             format!(
                 "key {} token {} ({}): went on to write {:?} after its renewal lost the lease",
                 lost.key_id, lost.token, lost.log, lost.writes_after
@@ -556,31 +679,18 @@ pub(crate) async fn audit(
     }
     let stolen = facts.injected.get(LEASE_STOLEN).copied().unwrap_or(0);
     if stolen > 0 && facts.lost_leases.is_empty() {
-        stopped.expect(false, || {
+        check.expect(false, || {
             format!("{stolen} leases taken over, and no renewal found out: the check saw nothing")
         });
     }
+}
 
-    Ok([
-        one_ride,
-        one_charge,
-        acknowledged,
-        no_orphan,
-        replays,
-        swaps,
-        finished,
-        late,
-        unexpected,
-        one_receipt,
-        declines,
-        refusals,
-        adopted,
-        stopped,
-        exercised,
-    ]
-    .into_iter()
-    .map(Check::result)
-    .collect())
+fn every_fault_exercised(evidence: &Evidence<'_>, check: &mut Check) {
+    let facts = evidence.facts;
+    for kind in facts.configured {
+        let count = facts.injected.get(*kind).copied().unwrap_or(0);
+        check.expect(count > 0, || format!("fault never exercised: {kind}"));
+    }
 }
 
 /// A final answer: a ride (201), a decline (402) or the gateway's stored refusal (502).

@@ -53,37 +53,7 @@ pub fn render(report: &Report) -> String {
         );
     }
 
-    out.push_str("<h2>Run</h2>\n<div class=\"cards\">");
-    let sabotage = if report.sabotage.is_empty() {
-        "none".to_owned()
-    } else {
-        escape(&report.sabotage.join(", "))
-    };
-    for (label, value) in [
-        ("seed", report.seed.to_string()),
-        ("requests", group(report.requests)),
-        ("concurrency", report.concurrency.to_string()),
-        ("API instances", report.api_instances.to_string()),
-        ("duration", format!("{:.1} s", report.duration_secs)),
-        ("sabotage", sabotage),
-    ] {
-        card(&mut out, label, &value);
-    }
-    out.push_str("</div>\n");
-
-    out.push_str("<h2>Summary</h2>\n<div class=\"cards\">");
-    for (label, value) in [
-        ("attempts", group(report.attempts)),
-        ("retries", group(report.retries)),
-        ("gave up", group(report.gave_up)),
-        ("faults injected", group(report.faults.values().sum())),
-        ("throughput", format!("{:.1} req/s", report.throughput_rps)),
-        ("latency p50", millis(report.latency_ms.p50)),
-        ("latency p99", millis(report.latency_ms.p99)),
-    ] {
-        card(&mut out, label, &value);
-    }
-    out.push_str("</div>\n");
+    cards(&mut out, report);
 
     invariants_table(&mut out, report);
 
@@ -164,6 +134,41 @@ pub fn render(report: &Report) -> String {
          nothing from anywhere.</footer>\n</main>\n</body>\n</html>\n",
     );
     out
+}
+
+/// The run's settings and its summary, as cards.
+fn cards(out: &mut String, report: &Report) {
+    out.push_str("<h2>Run</h2>\n<div class=\"cards\">");
+    let sabotage = if report.sabotage.is_empty() {
+        "none".to_owned()
+    } else {
+        escape(&report.sabotage.join(", "))
+    };
+    for (label, value) in [
+        ("seed", report.seed.to_string()),
+        ("requests", group(report.requests)),
+        ("concurrency", report.concurrency.to_string()),
+        ("API instances", report.api_instances.to_string()),
+        ("duration", format!("{:.1} s", report.duration_secs)),
+        ("sabotage", sabotage),
+    ] {
+        card(out, label, &value);
+    }
+    out.push_str("</div>\n");
+
+    out.push_str("<h2>Summary</h2>\n<div class=\"cards\">");
+    for (label, value) in [
+        ("attempts", group(report.attempts)),
+        ("retries", group(report.retries)),
+        ("gave up", group(report.gave_up)),
+        ("faults injected", group(report.faults.values().sum())),
+        ("throughput", format!("{:.1} req/s", report.throughput_rps)),
+        ("latency p50", millis(report.latency_ms.p50)),
+        ("latency p99", millis(report.latency_ms.p99)),
+    ] {
+        card(out, label, &value);
+    }
+    out.push_str("</div>\n");
 }
 
 /// Writes [`render`]'s page to `path`.

@@ -1,0 +1,144 @@
+//! What a run can be told: the options of `chaos`, the fault families it can switch off, and
+//! the protections it can take away (the negative controls).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+/// What `--without` can take away, to show that the auditor catches the damage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Sabotage {
+    /// Call the gateway under a fresh key per attempt instead of the key derived from the key
+    /// row: retries after "charged, then no answer" charge twice.
+    DerivedKey,
+    /// Run the worker with a completer grace of 1000 hours, so it never takes a key: requests
+    /// whose clients gave up stay unfinished.
+    Completer,
+    /// With `--failover`: replicate asynchronously, and stall the replication stream before the
+    /// primary dies, so that commits it acknowledged are lost with it.
+    SyncReplication,
+    /// Take a charge whose outcome is unknown (no answer within the gateway timeout, a
+    /// connection cut before its answer was whole, a 5xx) for a decline: the request answers 402
+    /// though the gateway may have charged the card.
+    UnknownOutcome,
+    /// Commit a new key at its first recovery point (`ride_created`) before its ride is inserted,
+    /// in a transaction of its own: a commit whose answer is lost, or a backend killed in
+    /// between, leaves a key naming a ride that does not exist.
+    AtomicPhase,
+    /// Let a holder whose lease renewal found the lease taken over go on with its gateway call
+    /// and its next write (which the fencing token then refuses).
+    LeaseStop,
+    /// Reconcile at once, without waiting for the last call under the key to be older than the
+    /// gateway's processing bound: a charge still being made when its key's window passes is in
+    /// no list yet, and a new generation of the key charges again.
+    InFlightGuard,
+    /// Take an answer without the gateway's error object (an intermediary's HTML page or empty
+    /// body, status 4xx) for the gateway's refusal: the request stores a 502 "nothing charged",
+    /// though the charge behind the intermediary may have been made.
+    UnknownAnswers,
+    /// Commit asynchronously (`synchronous_commit = off` on the services' connections), and stop
+    /// the WAL writer for a second before PostgreSQL crashes, so that commits it acknowledged are
+    /// lost with it. Needs the crash: the database faults on, without `--failover`.
+    DurableCommit,
+}
+
+/// A fault family that can be switched off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FaultFamily {
+    /// SIGKILL of API processes and of the worker; API processes stopped (SIGSTOP) for longer
+    /// than their leases, so that their keys are taken over while they hold them; leases taken
+    /// over in the database while their holders wait on a slow gateway call.
+    Kill,
+    /// Process crashes at exact points of the phase machine (failpoints).
+    Crash,
+    /// Gateway latency, errors before and after charging, dropped connections, 409 in flight.
+    Gateway,
+    /// Delay, reset and blackhole on the loopback proxies.
+    Network,
+    /// `pg_terminate_backend` of the service's database connections (idle ones, and ones in
+    /// the middle of their work), connections cut right after their `COMMIT`, and a crash of
+    /// PostgreSQL itself, restarted with crash recovery.
+    Database,
+}
+
+/// `chaos` options.
+#[derive(Debug, Clone, Args)]
+pub struct ChaosArgs {
+    /// PostgreSQL server URL; the run creates a fresh database on that server.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Requests to send (each with a fresh key, retried with it).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub requests: u64,
+    /// Seed of every random choice of the run (faults, schedule, payloads). Random if not given.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u32).range(1..=512))]
+    pub concurrency: u32,
+    /// API processes (separate OS processes on loopback ports).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub api_instances: u32,
+    /// Users to spread the requests over; a fifth of them have declining cards.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub users: u32,
+    /// Switch a fault family off (repeatable).
+    #[arg(long = "no", value_enum)]
+    pub no: Vec<FaultFamily>,
+    /// Sabotage a protection, to show the auditor catches it (the negative control).
+    #[arg(long = "without", value_enum)]
+    pub without: Vec<Sabotage>,
+    /// A client gives up on a request after this long; the completer must then finish it.
+    /// Shorter than the API's lease (8 s), so that requests caught by a crash are often
+    /// abandoned by their clients and left to the completer.
+    #[arg(long, value_parser = rocket_rides::config::parse_duration, default_value = "6s")]
+    pub give_up_after: Duration,
+    /// The `rocket-rides` binary to run as the API and worker processes; it must be built with
+    /// the `failpoints` feature (`scripts/chaos.sh` builds it). Default: the `rocket-rides` next
+    /// to this program.
+    #[arg(long, env = "ROCKET_RIDES_BIN")]
+    pub service_bin: Option<PathBuf>,
+    /// Where the report, the HTML page and the processes' logs go.
+    #[arg(long, default_value = "target/chaos")]
+    pub report_dir: PathBuf,
+    /// Keep the run's database afterwards. By default it is dropped when the audit passes and
+    /// kept for inspection when it fails.
+    #[arg(long, conflicts_with = "drop_database")]
+    pub keep_database: bool,
+    /// Drop the run's database afterwards even when the audit fails (tests of the harness).
+    #[arg(long)]
+    pub drop_database: bool,
+    /// Give the run's PostgreSQL a streaming standby with synchronous replication, and fail over
+    /// to it half-way through the run: the primary is killed, the standby promoted, and the
+    /// services reach it through the same address (instead of the crash and restart).
+    #[arg(long)]
+    pub failover: bool,
+}
+
+impl ChaosArgs {
+    /// Whether `family`'s faults are on (not switched off with `--no`).
+    pub(crate) fn on(&self, family: FaultFamily) -> bool {
+        !self.no.contains(&family)
+    }
+
+    /// Whether `protection` is taken away (`--without`).
+    pub(crate) fn without(&self, protection: Sabotage) -> bool {
+        self.without.contains(&protection)
+    }
+
+    /// Refuses the combinations that would prove nothing, before anything starts.
+    pub(crate) fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.failover || !self.without(Sabotage::SyncReplication),
+            "--without sync-replication sabotages a failover: give --failover too"
+        );
+        anyhow::ensure!(
+            !self.without(Sabotage::DurableCommit)
+                || (self.on(FaultFamily::Database) && !self.failover),
+            "--without durable-commit shows what a crash of PostgreSQL loses: it needs the database \
+             faults on (no --no database) and no --failover"
+        );
+        Ok(())
+    }
+}
