@@ -527,6 +527,7 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
         .arg("serve")
         .arg("--listen")
         .arg(format!("127.0.0.1:{port}"))
+        .args(["--metrics-listen", "127.0.0.1:0"])
         // The deadline may not be shorter than the gateway timeout: both short, so that the
         // held call ends within a second, by whichever comes first.
         .args(["--gateway-timeout", "1s", "--gateway-connect-timeout", "1s"])
