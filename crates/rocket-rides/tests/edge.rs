@@ -129,7 +129,7 @@ async fn a_request_past_its_deadline_is_a_503_with_retry_after(pool: PgPool) {
     assert_eq!(reply.problem_type(), types::REQUEST_TIMEOUT);
     assert!(reply.header("retry-after").is_some());
     holder.rollback().await.unwrap();
-    let metrics = app.state.metrics.render(None, None);
+    let metrics = app.state.metrics.render(None);
     assert!(
         metrics.contains("http_requests_timed_out_total 1"),
         "{metrics}"

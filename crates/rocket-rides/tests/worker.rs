@@ -726,7 +726,7 @@ async fn a_job_that_cannot_run_is_moved_aside_and_the_others_are_delivered(pool:
         "{}",
         failed[0].error
     );
-    let metrics = app.state.metrics.render(None, None);
+    let metrics = app.state.metrics.render(None);
     assert!(metrics.contains("outbox_jobs_failed_total 1"), "{metrics}");
 
     // An operator lists them with `rocket-rides jobs list`.
