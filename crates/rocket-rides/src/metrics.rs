@@ -20,6 +20,7 @@
 //! | `outbox_receipts_delivered_total`, `outbox_jobs_failed_total`, `reaper_keys_deleted_total` | counter | |
 //! | `idempotency_keys_unfinished` | gauge | read from the database at most every [`UNFINISHED_KEYS_REFRESH`] (5 s), not per scrape; true across every process |
 //! | `db_pool_connections` | gauge | `state`: in_use, idle (this process's pool, at scrape time) |
+//! | `db_pool_connections_max` | gauge | the most connections this process's pool opens (`--max-connections`) |
 //!
 //! Every label value comes from a closed set (route templates, not paths; known methods), so the
 //! number of series is bounded whatever clients send. Series of known outcomes exist from the
@@ -234,6 +235,7 @@ struct Inner {
     /// When `unfinished_keys` was last read (tried, whether the database answered or not).
     unfinished_read_at: tokio::sync::Mutex<Option<Instant>>,
     pool_connections: Family<StateLabel, Gauge>,
+    pool_max: Gauge,
 }
 
 impl Default for Metrics {
@@ -364,6 +366,12 @@ impl Default for Metrics {
                 "This process's database connections, in use or idle (read at scrape time)",
                 Family::<StateLabel, Gauge>::default(),
             ),
+            pool_max: add(
+                &mut r,
+                "db_pool_connections_max",
+                "The most database connections this process's pool opens",
+                Gauge::default(),
+            ),
             registry: r,
         };
         // Known outcomes start at zero.
@@ -394,6 +402,12 @@ fn seconds<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, m
 }
 
 impl Metrics {
+    /// The size this process's pool may grow to: what `db_pool_connections{state="in_use"}`
+    /// saturates at.
+    pub fn pool_max(&self, max_connections: u32) {
+        self.0.pool_max.set(i64::from(max_connections));
+    }
+
     /// Counts a request shed by the edge.
     pub fn request_shed(&self) {
         self.0.requests_shed.inc();
@@ -590,6 +604,7 @@ mod tests {
         metrics.http("POST", "/rides", 201, Duration::from_millis(30));
         metrics.http("FOOBAR", "/rides", 405, Duration::from_millis(1));
         metrics.http("BAZ", "/rides", 405, Duration::from_millis(1));
+        metrics.pool_max(20);
         let no_count = async { Err::<i64, _>("not read in this test") };
         metrics
             .refresh_unfinished_keys(Instant::now(), no_count)
@@ -605,6 +620,7 @@ mod tests {
             "idempotency_claim_duration_seconds_count 3",
             "idempotency_keys_unfinished 0",
             "db_pool_connections{state=\"in_use\"} 3",
+            "db_pool_connections_max 20",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
