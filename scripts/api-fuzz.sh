@@ -68,7 +68,7 @@ export STRIPE_API_BASE=http://127.0.0.1:$GATEWAY_PORT NO_COLOR=1
 USER_JSON=$("$BIN/rocket-rides" users create --email fuzz@example.com --card tok_visa 2>>"$WORK/serve.log")
 API_KEY=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])["api_key"])' "$USER_JSON")
 
-"$BIN/rocket-rides" serve --listen "127.0.0.1:$API_PORT" </dev/null >>"$WORK/serve.log" 2>&1 &
+"$BIN/rocket-rides" serve --listen "127.0.0.1:$API_PORT" --metrics-listen 127.0.0.1:0 </dev/null >>"$WORK/serve.log" 2>&1 &
 PIDS+=($!)
 wait_for_port "$API_PORT" "${PIDS[-1]}" "$WORK/serve.log" "$WAIT_SECS"
 

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 API_ADDR=${API_ADDR:-127.0.0.1:8080}
+METRICS_ADDR=${METRICS_ADDR:-127.0.0.1:8081}
 GATEWAY_ADDR=${GATEWAY_ADDR:-127.0.0.1:12111}
 GATEWAY_ADMIN_ADDR=${GATEWAY_ADMIN_ADDR:-127.0.0.1:12112}
 DEMO_DB=${DEMO_DB:-rocket_rides_demo}
@@ -44,7 +45,7 @@ done
 user=$("$bin/rocket-rides" users create --email "rider-$(date +%s)@example.com" --card tok_visa)
 api_key=$(printf '%s' "$user" | sed -n 's/.*"api_key":"\([^"]*\)".*/\1/p')
 
-"$bin/rocket-rides" serve --listen "$API_ADDR" &
+"$bin/rocket-rides" serve --listen "$API_ADDR" --metrics-listen "$METRICS_ADDR" &
 pids+=($!)
 
 cat <<MSG
@@ -60,6 +61,7 @@ Book a ride (run it twice: the second answer is the replay, with Idempotent-Repl
     -H 'Content-Type: application/json' \\
     -d '{"origin_lat": 37.77, "origin_lon": -122.42, "target_lat": 37.80, "target_lon": -122.27, "amount_cents": 2000}'
 
+Metrics:            curl http://$METRICS_ADDR/metrics
 Inspect the keys:   DATABASE_URL=$DATABASE_URL $bin/rocket-rides keys list
 Ctrl-C stops everything.
 MSG

@@ -28,8 +28,9 @@ use crate::problem::ApiError;
 pub use crate::server::serve;
 pub use crate::state::{AppState, StartError};
 
-/// The routes, and the OpenAPI document generated from them. `/metrics` is one of them unless
-/// metrics are served on a listener of their own (`serve --metrics-listen`).
+/// The routes, and the OpenAPI document generated from them. `/metrics` is one of them only
+/// when metrics are asked for on the public listener (`serve --metrics-on-public-listener`);
+/// otherwise [`metrics_router`] serves them on a listener of their own.
 pub fn routes(with_metrics: bool) -> (Router<AppState>, utoipa::openapi::OpenApi) {
     let mut routes = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(rides::create))
@@ -51,9 +52,10 @@ pub fn routes(with_metrics: bool) -> (Router<AppState>, utoipa::openapi::OpenApi
     (routes, doc)
 }
 
-/// The service with every route, `/metrics` included.
+/// The service as `serve` runs it by default: every route but `/metrics`, which
+/// [`metrics_router`] serves on a listener of its own.
 pub fn router(state: AppState) -> Router {
-    api_router(state, true)
+    api_router(state, false)
 }
 
 /// The service: the routes, their document, and the layers of the edge, innermost first:
@@ -166,8 +168,9 @@ fn drop_unusable_request_id(mut request: Request) -> Request {
     request
 }
 
-/// The routes of a metrics listener (`worker --metrics-listen`, `serve --metrics-listen`): the
-/// metrics and liveness.
+/// The routes of a metrics listener (`serve --metrics-listen`, on loopback by default;
+/// `worker --metrics-listen`): the metrics and liveness. Its requests are not counted: a scrape
+/// is not an answer of the API.
 pub fn metrics_router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(ops::healthz))

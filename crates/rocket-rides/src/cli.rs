@@ -31,6 +31,10 @@ const VERSION: &str = concat!(
 #[cfg(not(any(feature = "failpoints", feature = "bench")))]
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 
+/// Where `serve` answers `GET /metrics` unless told otherwise: loopback only, next to the API's
+/// default port, so that a scraper on the same host reaches it and nobody else does.
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:8081";
+
 /// Rocket Rides: book a ride and charge a card, effectively once.
 #[derive(Debug, Parser)]
 #[command(name = "rocket-rides", version = VERSION)]
@@ -78,10 +82,19 @@ enum Command {
         /// Largest number of database connections.
         #[arg(long, env = "DATABASE_MAX_CONNECTIONS", default_value_t = 20)]
         max_connections: u32,
-        /// Serve `GET /metrics` on this address instead of the API's, so that metrics can stay
-        /// off the public listener.
-        #[arg(long, env = "METRICS_LISTEN")]
-        metrics_listen: Option<SocketAddr>,
+        /// Serve `GET /metrics` (and `GET /healthz`) on this address, apart from the API's, so
+        /// that metrics stay off the public listener. Loopback by default; port 0 takes a free
+        /// port, logged as `serving metrics`.
+        #[arg(long, env = "METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
+        metrics_listen: SocketAddr,
+        /// Serve `GET /metrics` on the API's listener instead, to anyone who can reach it, and
+        /// open no metrics listener.
+        #[arg(
+            long,
+            env = "METRICS_ON_PUBLIC_LISTENER",
+            conflicts_with = "metrics_listen"
+        )]
+        metrics_on_public_listener: bool,
         #[command(flatten)]
         http: HttpArgs,
         #[command(flatten)]
@@ -207,17 +220,23 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             listen,
             max_connections,
             metrics_listen,
+            metrics_on_public_listener,
             http,
             gateway,
             lease,
             retention,
             shutdown,
         } => {
+            let metrics = if metrics_on_public_listener {
+                MetricsAt::PublicListener
+            } else {
+                MetricsAt::Listener(metrics_listen)
+            };
             serve(Serving {
                 db,
                 listen,
                 max_connections,
-                metrics_listen,
+                metrics,
                 http,
                 gateway,
                 lease,
@@ -324,12 +343,21 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where `serve` answers `GET /metrics`.
+#[derive(Debug, Clone, Copy)]
+enum MetricsAt {
+    /// On a listener of its own (`--metrics-listen`, loopback by default).
+    Listener(SocketAddr),
+    /// On the API's listener, to anyone (`--metrics-on-public-listener`).
+    PublicListener,
+}
+
 /// What `serve` runs with: its command line.
 struct Serving {
     db: DatabaseArgs,
     listen: SocketAddr,
     max_connections: u32,
-    metrics_listen: Option<SocketAddr>,
+    metrics: MetricsAt,
     http: HttpArgs,
     gateway: GatewayArgs,
     lease: LeaseArgs,
@@ -344,7 +372,7 @@ async fn serve(settings: Serving) -> anyhow::Result<()> {
         db,
         listen,
         max_connections,
-        metrics_listen,
+        metrics,
         http,
         gateway,
         lease,
@@ -365,10 +393,10 @@ async fn serve(settings: Serving) -> anyhow::Result<()> {
         .with_context(|| format!("listen on {listen}"))?;
     let steps = Shutdown::new();
     state.giving_up = steps.giving_up();
-    if let Some(address) = metrics_listen {
+    if let MetricsAt::Listener(address) = metrics {
         let metrics = tokio::net::TcpListener::bind(address)
             .await
-            .with_context(|| format!("listen on {address}"))?;
+            .with_context(|| format!("listen for metrics on {address} (--metrics-listen)"))?;
         tracing::info!(address = %metrics.local_addr()?, "serving metrics");
         let mut stopping = steps.stopping();
         let (router, limits, counters) = (
@@ -385,7 +413,7 @@ async fn serve(settings: Serving) -> anyhow::Result<()> {
     tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
     let mut giving_up = state.giving_up.clone();
     let tasks = state.tasks.clone();
-    let router = app::api_router(state.clone(), metrics_listen.is_none());
+    let router = app::api_router(state.clone(), matches!(metrics, MetricsAt::PublicListener));
     let serving = app::serve(listener, router, http, state.metrics.clone(), async move {
         stopping.wait().await
     });

@@ -18,15 +18,17 @@
 //! | `idempotency_leases_lost_total` | counter | |
 //! | `completer_keys_total` | counter | `outcome`: claimed, finished, retried, lost, undecodable, panicked |
 //! | `outbox_receipts_delivered_total`, `outbox_jobs_failed_total`, `reaper_keys_deleted_total` | counter | |
-//! | `idempotency_keys_unfinished` | gauge | read from the database at scrape time, true across every process |
+//! | `idempotency_keys_unfinished` | gauge | read from the database at most every [`UNFINISHED_KEYS_REFRESH`] (5 s), not per scrape; true across every process |
 //! | `db_pool_connections` | gauge | `state`: in_use, idle (this process's pool, at scrape time) |
+//! | `db_pool_connections_max` | gauge | the most connections this process's pool opens (`--max-connections`) |
 //!
 //! Every label value comes from a closed set (route templates, not paths; known methods), so the
 //! number of series is bounded whatever clients send. Series of known outcomes exist from the
 //! start, at zero, so that a rate over them is defined before the first event.
 
+use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -34,6 +36,13 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Metric, Registry, Unit};
+
+/// How long a read of `idempotency_keys_unfinished` stands: a scrape within this time of the
+/// last read shows that read's value instead of counting again. The count reads a table of every
+/// unfinished key (every shard, on a distributed database): read per scrape, its cost would grow
+/// with the number of scrapers and their rate. Short next to the 15 minutes over which
+/// `ops/prometheus/alerts.yml` looks for growth, and next to a scrape interval of 15 s or more.
+pub const UNFINISHED_KEYS_REFRESH: Duration = Duration::from_secs(5);
 
 /// The media type of the text exposition format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -223,7 +232,10 @@ struct Inner {
     jobs_failed: Counter,
     keys_reaped: Counter,
     unfinished_keys: Gauge,
+    /// When `unfinished_keys` was last read (tried, whether the database answered or not).
+    unfinished_read_at: tokio::sync::Mutex<Option<Instant>>,
     pool_connections: Family<StateLabel, Gauge>,
+    pool_max: Gauge,
 }
 
 impl Default for Metrics {
@@ -344,14 +356,21 @@ impl Default for Metrics {
             unfinished_keys: add(
                 &mut r,
                 "idempotency_keys_unfinished",
-                "Keys not yet finished, across all processes (read at scrape time)",
+                "Keys not yet finished, across all processes (read from the database at most every 5 s)",
                 Gauge::default(),
             ),
+            unfinished_read_at: tokio::sync::Mutex::new(None),
             pool_connections: add(
                 &mut r,
                 "db_pool_connections",
                 "This process's database connections, in use or idle (read at scrape time)",
                 Family::<StateLabel, Gauge>::default(),
+            ),
+            pool_max: add(
+                &mut r,
+                "db_pool_connections_max",
+                "The most database connections this process's pool opens",
+                Gauge::default(),
             ),
             registry: r,
         };
@@ -383,6 +402,12 @@ fn seconds<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, m
 }
 
 impl Metrics {
+    /// The size this process's pool may grow to: what `db_pool_connections{state="in_use"}`
+    /// saturates at.
+    pub fn pool_max(&self, max_connections: u32) {
+        self.0.pool_max.set(i64::from(max_connections));
+    }
+
     /// Counts a request shed by the edge.
     pub fn request_shed(&self) {
         self.0.requests_shed.inc();
@@ -507,12 +532,34 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    /// The text exposition. The gauges read at scrape time are set first: the unfinished keys
-    /// (from the database, when it answered) and this process's pool (connections, idle).
-    pub fn render(&self, unfinished_keys: Option<i64>, pool: Option<(u32, usize)>) -> String {
-        if let Some(unfinished) = unfinished_keys {
-            self.0.unfinished_keys.set(unfinished);
+    /// Sets `idempotency_keys_unfinished` from `count` (the database's count, not yet run) when
+    /// the last read is [`UNFINISHED_KEYS_REFRESH`] old or more at `now`; otherwise, or while
+    /// another scrape is reading, leaves it as it is and never runs `count`. A failed read keeps
+    /// the last value, and is not tried again before the interval has passed either.
+    pub async fn refresh_unfinished_keys<E: std::fmt::Display>(
+        &self,
+        now: Instant,
+        count: impl Future<Output = Result<i64, E>>,
+    ) {
+        // A scrape does not wait on another's read: it shows the value as it stands.
+        let Ok(mut read_at) = self.0.unfinished_read_at.try_lock() else {
+            return;
+        };
+        if read_at.is_some_and(|at| now.saturating_duration_since(at) < UNFINISHED_KEYS_REFRESH) {
+            return;
         }
+        *read_at = Some(now);
+        match count.await {
+            Ok(unfinished) => {
+                self.0.unfinished_keys.set(unfinished);
+            }
+            Err(e) => tracing::warn!(error = %e, "metrics: cannot count unfinished keys"),
+        }
+    }
+
+    /// The text exposition. This process's pool (connections, idle) is read first; the
+    /// unfinished keys are as [`Metrics::refresh_unfinished_keys`] last set them.
+    pub fn render(&self, pool: Option<(u32, usize)>) -> String {
         if let Some((size, idle)) = pool {
             let idle = idle as i64;
             let in_use = (i64::from(size) - idle).max(0);
@@ -547,8 +594,8 @@ impl idempotency::Observer for Metrics {
 mod tests {
     use super::*;
 
-    #[test]
-    fn counters_and_histograms_render_in_the_text_format() {
+    #[tokio::test]
+    async fn counters_and_histograms_render_in_the_text_format() {
         let metrics = Metrics::default();
         metrics.claim(ClaimOutcome::Acquired, Duration::from_millis(2));
         metrics.claim(ClaimOutcome::Replayed, Duration::from_millis(1));
@@ -557,7 +604,12 @@ mod tests {
         metrics.http("POST", "/rides", 201, Duration::from_millis(30));
         metrics.http("FOOBAR", "/rides", 405, Duration::from_millis(1));
         metrics.http("BAZ", "/rides", 405, Duration::from_millis(1));
-        let text = metrics.render(Some(3), Some((10, 7)));
+        metrics.pool_max(20);
+        let no_count = async { Err::<i64, _>("not read in this test") };
+        metrics
+            .refresh_unfinished_keys(Instant::now(), no_count)
+            .await;
+        let text = metrics.render(Some((10, 7)));
         for line in [
             "idempotency_claims_total{outcome=\"replayed\"} 2",
             "idempotency_claims_total{outcome=\"mismatch\"} 0",
@@ -566,11 +618,58 @@ mod tests {
             "http_requests_total{method=\"OTHER\",route=\"/rides\",status=\"405\"} 2",
             "http_request_duration_seconds_count{method=\"POST\",route=\"/rides\",status=\"201\"} 1",
             "idempotency_claim_duration_seconds_count 3",
-            "idempotency_keys_unfinished 3",
+            "idempotency_keys_unfinished 0",
             "db_pool_connections{state=\"in_use\"} 3",
+            "db_pool_connections_max 20",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
         assert!(!text.contains("FOOBAR"), "made-up methods are not labels");
+    }
+
+    #[tokio::test]
+    async fn the_unfinished_keys_are_read_at_most_once_per_refresh_interval() {
+        let metrics = Metrics::default();
+        let reads = std::sync::atomic::AtomicUsize::new(0);
+        // Counts its runs: a count that is not awaited never reads.
+        let count = |n: i64| {
+            let reads = &reads;
+            async move {
+                reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if n < 0 {
+                    Err("the database does not answer")
+                } else {
+                    Ok(n)
+                }
+            }
+        };
+        let gauge = |metrics: &Metrics| {
+            let text = metrics.render(None);
+            let line = text
+                .lines()
+                .find(|l| l.starts_with("idempotency_keys_unfinished "))
+                .map(str::to_owned);
+            line.unwrap()
+        };
+        let start = Instant::now();
+        let just_before = UNFINISHED_KEYS_REFRESH - Duration::from_millis(1);
+        metrics.refresh_unfinished_keys(start, count(3)).await;
+        assert_eq!(gauge(&metrics), "idempotency_keys_unfinished 3");
+        metrics
+            .refresh_unfinished_keys(start + just_before, count(7))
+            .await;
+        assert_eq!(gauge(&metrics), "idempotency_keys_unfinished 3");
+        assert_eq!(reads.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let second = start + UNFINISHED_KEYS_REFRESH;
+        metrics.refresh_unfinished_keys(second, count(7)).await;
+        assert_eq!(gauge(&metrics), "idempotency_keys_unfinished 7");
+        // A failed read keeps the last value and waits out the interval like any other.
+        let third = second + UNFINISHED_KEYS_REFRESH;
+        metrics.refresh_unfinished_keys(third, count(-1)).await;
+        metrics
+            .refresh_unfinished_keys(third + just_before, count(9))
+            .await;
+        assert_eq!(gauge(&metrics), "idempotency_keys_unfinished 7");
+        assert_eq!(reads.load(std::sync::atomic::Ordering::SeqCst), 3);
     }
 }

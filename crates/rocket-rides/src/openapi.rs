@@ -24,7 +24,7 @@ use crate::problem::types;
     modifiers(&ApiKeyAuth),
     tags(
         (name = "rides", description = "Booking and reading rides"),
-        (name = "operations", description = "Liveness, readiness, metrics, this document")
+        (name = "operations", description = "Liveness, readiness, this document; metrics only when served on this listener")
     )
 )]
 pub struct ApiDoc;

@@ -64,6 +64,7 @@ impl AppState {
     ) -> Result<Self, StartError> {
         crate::config::validate(gateway, lease).map_err(StartError::Settings)?;
         let metrics = Metrics::default();
+        metrics.pool_max(pool.options().get_max_connections());
         let store = Store::new(pool.clone(), clock, lease.lease_ttl)?
             .with_heartbeat(lease.lease_heartbeat)?
             .with_observer(Arc::new(metrics.clone()));

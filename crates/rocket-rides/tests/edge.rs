@@ -129,7 +129,7 @@ async fn a_request_past_its_deadline_is_a_503_with_retry_after(pool: PgPool) {
     assert_eq!(reply.problem_type(), types::REQUEST_TIMEOUT);
     assert!(reply.header("retry-after").is_some());
     holder.rollback().await.unwrap();
-    let metrics = app.state.metrics.render(None, None);
+    let metrics = app.state.metrics.render(None);
     assert!(
         metrics.contains("http_requests_timed_out_total 1"),
         "{metrics}"
@@ -409,7 +409,7 @@ async fn made_up_methods_add_no_series_to_the_metrics(pool: PgPool) {
     }
     let text = app
         .http
-        .get(format!("{}/metrics", app.base))
+        .get(format!("{}/metrics", app.metrics_base))
         .send()
         .await
         .unwrap()
@@ -423,23 +423,11 @@ async fn made_up_methods_add_no_series_to_the_metrics(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrations = false)]
-async fn metrics_can_leave_the_public_listener(pool: PgPool) {
-    let (app, _, _) = app_with_user(pool).await;
-    let (public, _stop) =
-        common::spawn(rocket_rides::app::api_router(app.state.clone(), false)).await;
-    let (private, _stop2) =
-        common::spawn(rocket_rides::app::metrics_router(app.state.clone())).await;
-    let hidden = app
-        .http
-        .get(format!("{public}/metrics"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(hidden.status(), 404);
+/// The paths of the OpenAPI document served at `base`.
+async fn documented_paths(app: &common::TestApp, base: &str) -> serde_json::Value {
     let doc: serde_json::Value = serde_json::from_slice(
         &app.http
-            .get(format!("{public}/openapi.json"))
+            .get(format!("{base}/openapi.json"))
             .send()
             .await
             .unwrap()
@@ -448,17 +436,34 @@ async fn metrics_can_leave_the_public_listener(pool: PgPool) {
             .unwrap(),
     )
     .unwrap();
+    doc["paths"].clone()
+}
+
+#[sqlx::test(migrations = false)]
+async fn metrics_stay_off_the_public_listener_unless_asked_for_there(pool: PgPool) {
+    let (app, _, _) = app_with_user(pool).await;
+    let status = |url: String| {
+        let http = app.http.clone();
+        async move { http.get(url).send().await.unwrap().status().as_u16() }
+    };
+    // The default: the public listener neither serves nor documents them; their own does.
+    assert_eq!(status(format!("{}/metrics", app.base)).await, 404);
     assert!(
-        doc["paths"].get("/metrics").is_none(),
+        documented_paths(&app, &app.base)
+            .await
+            .get("/metrics")
+            .is_none(),
         "not documented where not served"
     );
-    let served = app
-        .http
-        .get(format!("{private}/metrics"))
-        .send()
+    assert_eq!(status(format!("{}/metrics", app.metrics_base)).await, 200);
+    // Asked for on the public listener (`--metrics-on-public-listener`): served and documented.
+    let (public, _stop) =
+        common::spawn(rocket_rides::app::api_router(app.state.clone(), true)).await;
+    assert_eq!(status(format!("{public}/metrics")).await, 200);
+    assert!(documented_paths(&app, &public)
         .await
-        .unwrap();
-    assert_eq!(served.status(), 200);
+        .get("/metrics")
+        .is_some());
 }
 
 #[sqlx::test(migrations = false)]

@@ -499,7 +499,7 @@ async fn a_gateway_that_refuses_our_credentials_is_a_503_never_a_final_answer(po
         Some(("ride_created".into(), false)),
         "not finished, lease released"
     );
-    let metrics = state.metrics.render(None, None);
+    let metrics = state.metrics.render(None);
     assert!(
         metrics.contains("gateway_charges_total{outcome=\"misconfigured\"} 1"),
         "{metrics}"

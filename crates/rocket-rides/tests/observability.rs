@@ -41,11 +41,20 @@ async fn every_answer_carries_a_request_id_taken_from_the_request_or_generated(p
 
 type LogLines = tokio::io::Lines<BufReader<tokio::process::ChildStderr>>;
 
-/// A real `serve` process with JSON logs at `info`: the child, its log lines, the address it
-/// serves on, and what it logged before saying so.
+/// A real `serve` process with JSON logs at `info`, its metrics on a free loopback port: the
+/// child, its log lines, the address it serves on, and what it logged before saying so.
 async fn serve(env: &[(&str, &str)]) -> (tokio::process::Child, LogLines, String, Vec<Value>) {
+    serve_with(&["--metrics-listen", "127.0.0.1:0"], env).await
+}
+
+/// [`serve`] with these arguments after `serve --listen 127.0.0.1:0`.
+async fn serve_with(
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (tokio::process::Child, LogLines, String, Vec<Value>) {
     let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
         .args(["--log-format", "json", "serve", "--listen", "127.0.0.1:0"])
+        .args(args)
         .envs(env.iter().copied())
         .env("RUST_LOG", "info")
         .stderr(Stdio::piped())
@@ -173,5 +182,47 @@ async fn serve_starts_without_its_database_and_is_ready_once_the_database_answer
         status, 200,
         "serve did not become ready once its database answered"
     );
+    serve.start_kill().unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn serve_answers_metrics_on_its_loopback_metrics_listener_and_not_on_the_api(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let database = common::url_of(&app.pool).await;
+    let status = |url: String| {
+        let http = app.http.clone();
+        async move { http.get(url).send().await.unwrap().status().as_u16() }
+    };
+    let (mut serve, _lines, address, logged) = serve(&[
+        ("DATABASE_URL", &database),
+        ("STRIPE_API_BASE", app.state.stripe.base()),
+    ])
+    .await;
+    let metrics = logged
+        .iter()
+        .find(|e| e["fields"]["message"] == "serving metrics")
+        .and_then(|e| e["fields"]["address"].as_str())
+        .expect("serve logs its metrics address")
+        .to_owned();
+    assert!(metrics.starts_with("127.0.0.1:"), "{metrics}");
+    assert_eq!(status(format!("http://{address}/metrics")).await, 404);
+    assert_eq!(status(format!("http://{metrics}/metrics")).await, 200);
+    serve.start_kill().unwrap();
+
+    let (mut serve, _lines, address, logged) = serve_with(
+        &["--metrics-on-public-listener"],
+        &[
+            ("DATABASE_URL", &database),
+            ("STRIPE_API_BASE", app.state.stripe.base()),
+        ],
+    )
+    .await;
+    assert!(
+        !logged
+            .iter()
+            .any(|e| e["fields"]["message"] == "serving metrics"),
+        "no metrics listener when metrics are on the public one"
+    );
+    assert_eq!(status(format!("http://{address}/metrics")).await, 200);
     serve.start_kill().unwrap();
 }

@@ -119,3 +119,35 @@ fn serve_takes_the_key_retention_and_refuses_one_shorter_than_a_day() {
         assert!(text.contains("at least 24h"), "{text}");
     }
 }
+
+#[test]
+fn metrics_are_either_on_their_own_listener_or_on_the_public_one_never_both() {
+    let help = rocket_rides(&["serve", "--help"], &[]);
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        text.contains(rocket_rides::cli::DEFAULT_METRICS_LISTEN),
+        "{text}"
+    );
+    for env in [&[][..], &[("METRICS_LISTEN", "127.0.0.1:0")]] {
+        let mut command = vec![
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-on-public-listener",
+        ];
+        if env.is_empty() {
+            command.extend(["--metrics-listen", "127.0.0.1:0"]);
+        }
+        let mut env = env.to_vec();
+        env.push(("DATABASE_URL", DATABASE_URL));
+        let refused = rocket_rides(&command, &env);
+        assert_eq!(
+            refused.status.code(),
+            Some(2),
+            "{command:?} {env:?}: {refused:?}"
+        );
+        let text = String::from_utf8_lossy(&refused.stderr);
+        assert!(text.contains("--metrics-on-public-listener"), "{text}");
+        assert!(text.contains("--metrics-listen"), "{text}");
+    }
+}

@@ -527,6 +527,7 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
         .arg("serve")
         .arg("--listen")
         .arg(format!("127.0.0.1:{port}"))
+        .args(["--metrics-listen", "127.0.0.1:0"])
         // The deadline may not be shorter than the gateway timeout: both short, so that the
         // held call ends within a second, by whichever comes first.
         .args(["--gateway-timeout", "1s", "--gateway-connect-timeout", "1s"])
@@ -725,7 +726,7 @@ async fn a_job_that_cannot_run_is_moved_aside_and_the_others_are_delivered(pool:
         "{}",
         failed[0].error
     );
-    let metrics = app.state.metrics.render(None, None);
+    let metrics = app.state.metrics.render(None);
     assert!(metrics.contains("outbox_jobs_failed_total 1"), "{metrics}");
 
     // An operator lists them with `rocket-rides jobs list`.

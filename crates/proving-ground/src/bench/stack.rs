@@ -225,6 +225,8 @@ impl Stack {
                 "serve".to_owned(),
                 "--listen".to_owned(),
                 format!("127.0.0.1:{port}"),
+                "--metrics-listen".to_owned(),
+                "127.0.0.1:0".to_owned(),
             ],
             &[
                 ("DATABASE_URL", databases.service_url.clone()),

@@ -77,6 +77,8 @@ impl Services {
             // No shorter than the gateway timeout, as the services require.
             ("SHUTDOWN_DEADLINE".to_owned(), GATEWAY_TIMEOUT.to_owned()),
             ("DATABASE_MAX_CONNECTIONS".to_owned(), "10".to_owned()),
+            // Every API's metrics on a free loopback port: the default port would be taken twice.
+            ("METRICS_LISTEN".to_owned(), "127.0.0.1:0".to_owned()),
             // Warnings, and the lease's life in a booking, which the audit reads.
             (
                 "RUST_LOG".to_owned(),

@@ -59,20 +59,20 @@ pub async fn count_requests(
     response
 }
 
-/// `GET /metrics`: counters and histograms in the OpenMetrics text format.
+/// `GET /metrics`: counters and histograms in the OpenMetrics text format. The unfinished keys
+/// are counted in the database at most every [`crate::metrics::UNFINISHED_KEYS_REFRESH`], not
+/// per scrape.
 #[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
     responses((status = 200, description = "OpenMetrics text.", body = String, content_type = "application/openmetrics-text")))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let unfinished = state
-        .store
-        .count_unfinished()
-        .await
-        .inspect_err(|e| tracing::warn!(error = %e, "metrics: cannot count unfinished keys"))
-        .ok();
+    state
+        .metrics
+        .refresh_unfinished_keys(Instant::now(), state.store.count_unfinished())
+        .await;
     let pool = (state.pool.size(), state.pool.num_idle());
     (
         [(http::header::CONTENT_TYPE, CONTENT_TYPE)],
-        state.metrics.render(unfinished, Some(pool)),
+        state.metrics.render(Some(pool)),
     )
 }
 

@@ -24,6 +24,8 @@ pub const RIDE: &str = r#"{"origin_lat": 37.77, "origin_lon": -122.42, "target_l
 
 pub struct TestApp {
     pub base: String,
+    /// The metrics listener, apart from the API's, as `serve` runs it by default.
+    pub metrics_base: String,
     pub pool: PgPool,
     pub state: AppState,
     pub clock: ManualClock,
@@ -224,15 +226,17 @@ impl TestApp {
             AppState::new(pool.clone(), Arc::new(clock.clone()), &gateway_args, &lease).unwrap();
         state.http = http.clone();
         let (base, stop_api) = spawn_with(app::router(state.clone()), http).await;
+        let (metrics_base, stop_metrics) = spawn(app::metrics_router(state.clone())).await;
         Self {
             base,
+            metrics_base,
             pool,
             state,
             clock,
             gateway,
             http: reqwest::Client::new(),
             front,
-            _stop: vec![stop_api, stop_gateway],
+            _stop: vec![stop_api, stop_metrics, stop_gateway],
         }
     }
 
@@ -371,12 +375,12 @@ impl TestApp {
         panic!("no final answer for key {key}");
     }
 
-    /// The value of one sample of `GET /metrics`, such as
+    /// The value of one sample of `GET /metrics` on the metrics listener, such as
     /// `gateway_reconciliations_total{outcome="adopted"}`; 0 when absent.
     pub async fn metric(&self, sample: &str) -> f64 {
         let text = self
             .http
-            .get(format!("{}/metrics", self.base))
+            .get(format!("{}/metrics", self.metrics_base))
             .send()
             .await
             .unwrap()
