@@ -102,7 +102,7 @@ pub struct Pass {
     pub lost: usize,
     /// Keys claimed whose recovery point the application does not know; their leases expire.
     pub undecodable: usize,
-    /// Attempts that panicked; their leases expire, and the keys are tried again after.
+    /// Attempts that panicked; their keys are released with a backoff, as failed ones are.
     pub panicked: usize,
 }
 
@@ -250,6 +250,7 @@ impl Completer {
                     Ok(Attempt::Finished) => pass.finished += 1,
                     Ok(Attempt::Retried) => pass.retried += 1,
                     Ok(Attempt::Lost) => pass.lost += 1,
+                    Ok(Attempt::Panicked) => pass.panicked += 1,
                     Err(e) => {
                         tracing::error!(error = %e, "a completer attempt panicked");
                         pass.panicked += 1;
@@ -278,7 +279,7 @@ impl Completer {
     where
         P: RecoveryPoint,
         F: Fn(Lease<P>) -> Fut,
-        Fut: Future<Output = Resumed<P>>,
+        Fut: Future<Output = Resumed<P>> + Send + 'static,
     {
         let (key_id, attempts) = (lease.key_id(), lease.completer_attempts());
         let span = tracing::info_span!(
@@ -287,7 +288,28 @@ impl Completer {
             token = lease.token(),
             recovery_point = lease.recovery_point().name()
         );
-        let resumed = resume(lease).instrument(span).await;
+        // In a task of its own, so that a panic of the application's code is caught here: the
+        // lease went down with it, and the key is released with a backoff through its fence, as
+        // a failure would be, instead of staying locked until the lease runs out and being
+        // retried at once, panic after panic.
+        let fence = lease.fence();
+        let resumed = match tokio::spawn(resume(lease).instrument(span)).await {
+            Ok(resumed) => resumed,
+            Err(panicked) => {
+                let wait = backoff(attempts, self.backoff, self.backoff_max);
+                tracing::error!(
+                    key_id,
+                    completer_attempts = attempts,
+                    error = %panicked,
+                    retry_in = ?wait,
+                    "a completer attempt panicked"
+                );
+                if let Err(e) = self.store.release_with_backoff(fence, wait).await {
+                    tracing::warn!(key_id, error = %e, "could not release the key; its lease expires instead");
+                }
+                return Attempt::Panicked;
+            }
+        };
         let (lease, error, not_before) = match resumed {
             Resumed::Finished => {
                 tracing::info!(key_id, "the completer finished a key");
@@ -323,6 +345,7 @@ enum Attempt {
     Finished,
     Retried,
     Lost,
+    Panicked,
 }
 
 /// Deletes finished keys past the store's retention, in batches. See the [module](crate::runner).

@@ -385,11 +385,14 @@ async fn two_completers_at_once_run_each_abandoned_key_once(pool: PgPool) {
 /// Interleaving: the application's closure lies (says `Finished` without finishing), and
 /// another panics. Neither may make the completer drop its key or invent an outcome.
 ///
-/// Safe outcome: both keys stay unfinished and unanswered (no stored response); once their
-/// leases are over, the next pass claims them again and a correct closure finishes them.
+/// Safe outcome: both keys stay unfinished and unanswered (no stored response). The liar's key
+/// is claimed again once its lease is over; the panicked one is released with the completer's
+/// backoff, as a failure would be, and claimed again after it, not before. A correct closure
+/// then finishes both.
 ///
 /// Mutation that fails it: a completer that marks the key finished (or deletes it from
-/// `idempotency_keys_unfinished`) on the closure's word.
+/// `idempotency_keys_unfinished`) on the closure's word; one that leaves a panicked key locked
+/// until its lease runs out and retries it at once.
 #[sqlx::test(migrations = false)]
 async fn a_lying_or_panicking_closure_leaves_its_key_to_the_next_pass(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
@@ -433,21 +436,33 @@ async fn a_lying_or_panicking_closure_leaves_its_key_to_the_next_pass(pool: PgPo
         .await
         .unwrap();
     assert_eq!(idle.claimed, 0, "{idle:?}");
-    // After them, a correct closure finishes both.
-    clock.advance(TTL + Duration::from_secs(1));
-    let s = store.clone();
-    let pass = completer
-        .run_once(move |mut lease: Lease<OneStep>| {
-            let s = s.clone();
+    // The panicked key is free, and kept from completers for the backoff.
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_keys
+             WHERE locked_until IS NULL AND next_attempt_at IS NOT NULL"
+        )
+        .await,
+        1
+    );
+    let finish = |store: Store| {
+        move |mut lease: Lease<OneStep>| {
+            let s = store.clone();
             async move {
                 let phase = s.final_phase(&mut lease).await.unwrap();
                 phase.finish(&answer("done")).await.unwrap();
                 Resumed::Finished
             }
-        })
-        .await
-        .unwrap();
-    assert_eq!(pass.finished, 2, "{pass:?}");
+        }
+    };
+    // After the liar's lease, a correct closure finishes its key; the other waits out its backoff.
+    clock.advance(TTL + Duration::from_secs(1));
+    let pass = completer.run_once(finish(store.clone())).await.unwrap();
+    assert_eq!((pass.claimed, pass.finished), (1, 1), "{pass:?}");
+    clock.advance(Duration::from_secs(60));
+    let pass = completer.run_once(finish(store.clone())).await.unwrap();
+    assert_eq!((pass.claimed, pass.finished), (1, 1), "{pass:?}");
     assert_eq!(store.count_unfinished().await.unwrap(), 0);
 }
 

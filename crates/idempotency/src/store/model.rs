@@ -141,6 +141,24 @@ impl<P: RecoveryPoint> Lease<P> {
         &self.owner
     }
 
+    /// The same key and token, without the parameters: what a runner keeps to release the key
+    /// when the task it handed the lease to panicked with it. Never used while that task may
+    /// still act on the lease.
+    pub(crate) fn fence(&self) -> Self {
+        Self {
+            key_id: self.key_id,
+            request_uuid: self.request_uuid,
+            owner: self.owner.clone(),
+            token: self.token,
+            attempts: self.attempts,
+            completer_attempts: self.completer_attempts,
+            recovery_point: self.recovery_point,
+            params: Value::Null,
+            locked_until: self.locked_until,
+            confirmed_at: self.confirmed_at,
+        }
+    }
+
     /// The fencing token this holder acquired.
     pub fn token(&self) -> i64 {
         self.token
