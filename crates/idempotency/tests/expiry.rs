@@ -564,6 +564,41 @@ async fn a_claim_during_an_expiry_in_progress_waits_and_then_finds_the_new_key(p
     );
 }
 
+/// A key the reaper may not delete (a row references it under RESTRICT) is kept and named, and
+/// the others of its owner's batch are reaped all the same: the pass does not fail, and the
+/// next pass is not stuck behind it.
+#[sqlx::test(migrations = false)]
+async fn the_reaper_keeps_a_key_referenced_under_restrict_and_reaps_the_rest(pool: PgPool) {
+    let (store, clock) = setup(&pool).await;
+    sqlx::query(
+        "CREATE TABLE receipts (
+             owner  TEXT   NOT NULL,
+             key_id BIGINT NOT NULL,
+             FOREIGN KEY (owner, key_id) REFERENCES idempotency_keys (owner, id)
+                 ON DELETE RESTRICT
+         )",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let body = json!({"a": 1});
+    let mut ids = Vec::new();
+    for name in ["kept", "a", "b"] {
+        ids.push(finished_key(&store, 1, name, &body).await);
+    }
+    sqlx::query("INSERT INTO receipts (owner, key_id) VALUES ('1', $1)")
+        .bind(ids[0])
+        .execute(&pool)
+        .await
+        .unwrap();
+    clock.advance(RETENTION + Duration::from_secs(1));
+    assert_eq!(store.reap_finished(RETENTION, 100).await.unwrap(), 2);
+    assert_eq!(rows_of(&pool, 1, "kept").await, 1);
+    assert_eq!(rows_of(&pool, 1, "a").await + rows_of(&pool, 1, "b").await, 0);
+    // Again: only the kept key is left, and the pass still succeeds.
+    assert_eq!(store.reap_finished(RETENTION, 100).await.unwrap(), 0);
+}
+
 #[sqlx::test(migrations = false)]
 async fn an_expired_key_still_referenced_under_restrict_is_refused_and_kept(pool: PgPool) {
     let (store, clock) = setup(&pool).await;

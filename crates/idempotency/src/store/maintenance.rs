@@ -10,6 +10,7 @@ use sqlx::Row;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use super::claim::is_referenced;
 use super::model::{lease_from_row, Lease, RecoveryPoint, Store};
 use crate::{Error, Owner};
 
@@ -206,24 +207,59 @@ impl Store {
         }
         let mut reaped = 0;
         for (owner, key_ids) in by_owner {
-            let deleted = sqlx::query(
-                r#"
-                DELETE FROM idempotency_keys
-                WHERE owner = $1 AND id = ANY($2)
-                  AND finished_at IS NOT NULL
-                  AND finished_at < coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
-                "#,
-            )
-            .bind(&owner)
-            .bind(&key_ids)
-            .bind(now)
-            .bind(retention)
-            .execute(&self.pool)
-            .await
-            .map_err(Error::db(format!("reap finished keys of owner {owner}")))?;
-            reaped += deleted.rows_affected();
+            reaped += match self.reap_of(&owner, &key_ids, now, retention).await {
+                Ok(n) => n,
+                // A key still referenced under a foreign key that refuses the delete (RESTRICT,
+                // NO ACTION) fails its whole batch; one by one, the others go and it stays,
+                // said loudly, instead of failing every pass that finds it first.
+                Err(e) if is_referenced(&e) => {
+                    let mut n = 0;
+                    for key_id in &key_ids {
+                        match self.reap_of(&owner, &[*key_id], now, retention).await {
+                            Ok(one) => n += one,
+                            Err(e) if is_referenced(&e) => tracing::warn!(
+                                key_id,
+                                owner = owner.as_str(),
+                                "a finished key past the retention is kept: a row still \
+                                 references it under a foreign key that refuses the delete \
+                                 (make it ON DELETE SET NULL)"
+                            ),
+                            Err(e) => {
+                                return Err(Error::db(format!("reap key {key_id} of owner {owner}"))(e))
+                            }
+                        }
+                    }
+                    n
+                }
+                Err(e) => return Err(Error::db(format!("reap finished keys of owner {owner}"))(e)),
+            };
         }
         Ok(reaped)
+    }
+
+    /// Deletes those of one owner's `key_ids` that finished more than `retention` ago.
+    async fn reap_of(
+        &self,
+        owner: &str,
+        key_ids: &[i64],
+        now: Option<OffsetDateTime>,
+        retention: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let deleted = sqlx::query(
+            r#"
+            DELETE FROM idempotency_keys
+            WHERE owner = $1 AND id = ANY($2)
+              AND finished_at IS NOT NULL
+              AND finished_at < coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+            "#,
+        )
+        .bind(owner)
+        .bind(key_ids)
+        .bind(now)
+        .bind(retention)
+        .execute(&self.pool)
+        .await?;
+        Ok(deleted.rows_affected())
     }
 
     /// How many keys are unfinished, across every user: the gauge an operator alerts on.
