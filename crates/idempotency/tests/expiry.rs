@@ -594,7 +594,10 @@ async fn the_reaper_keeps_a_key_referenced_under_restrict_and_reaps_the_rest(poo
     clock.advance(RETENTION + Duration::from_secs(1));
     assert_eq!(store.reap_finished(RETENTION, 100).await.unwrap(), 2);
     assert_eq!(rows_of(&pool, 1, "kept").await, 1);
-    assert_eq!(rows_of(&pool, 1, "a").await + rows_of(&pool, 1, "b").await, 0);
+    assert_eq!(
+        rows_of(&pool, 1, "a").await + rows_of(&pool, 1, "b").await,
+        0
+    );
     // Again: only the kept key is left, and the pass still succeeds.
     assert_eq!(store.reap_finished(RETENTION, 100).await.unwrap(), 0);
 }

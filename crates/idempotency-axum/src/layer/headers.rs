@@ -88,14 +88,26 @@ where
     Ok(kept.into())
 }
 
-/// The values of `names` in `headers`, every one of each, as the key stores them. A value that
-/// is not visible ASCII cannot be stored as text, and is left out.
+/// The values of `names` in `headers`, every one of each, as the key stores them: as text, so a
+/// value beyond visible ASCII is kept when it is UTF-8 (a replay sends the same bytes). One that
+/// is not cannot be stored as text; it is left out of the stored answer, and said loudly, for the
+/// replay will lack it.
 pub(super) fn kept_headers(names: &[HeaderName], headers: &HeaderMap) -> Vec<(String, String)> {
     names
         .iter()
         .flat_map(|name| {
             headers.get_all(name).iter().filter_map(move |value| {
-                Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned()))
+                match std::str::from_utf8(value.as_bytes()) {
+                    Ok(text) => Some((name.as_str().to_owned(), text.to_owned())),
+                    Err(_) => {
+                        tracing::error!(
+                            header = name.as_str(),
+                            "a header chosen to be stored is not UTF-8 and cannot be kept: its \
+                             replays will lack it"
+                        );
+                        None
+                    }
+                }
             })
         })
         .collect()
@@ -104,6 +116,7 @@ pub(super) fn kept_headers(names: &[HeaderName], headers: &HeaderMap) -> Vec<(St
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderValue;
 
     #[test]
     fn names_are_lowercased_and_kept_once() {
@@ -142,6 +155,12 @@ mod tests {
         headers.append("link", "</a>; rel=next".parse().unwrap());
         headers.append("link", "</b>; rel=prev".parse().unwrap());
         headers.append("x-delivery", "first".parse().unwrap());
+        // UTF-8 beyond ASCII is kept, byte for byte; other bytes cannot be stored as text.
+        headers.append(
+            "x-delivery",
+            HeaderValue::from_bytes("café".as_bytes()).unwrap(),
+        );
+        headers.append("x-delivery", HeaderValue::from_bytes(b"caf\xe9").unwrap());
         let names = stored_header_names(["link"]).unwrap();
         assert_eq!(
             kept_headers(&names, &headers),
@@ -150,5 +169,17 @@ mod tests {
                 ("link".to_owned(), "</b>; rel=prev".to_owned()),
             ]
         );
+        let names = stored_header_names(["x-delivery"]).unwrap();
+        let kept = kept_headers(&names, &headers);
+        assert_eq!(
+            kept,
+            [
+                ("x-delivery".to_owned(), "first".to_owned()),
+                ("x-delivery".to_owned(), "café".to_owned()),
+            ]
+        );
+        // And a replay sends the same bytes again.
+        let replayed = HeaderValue::try_from(kept[1].1.as_str()).unwrap();
+        assert_eq!(replayed.as_bytes(), "café".as_bytes());
     }
 }

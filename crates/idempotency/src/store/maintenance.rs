@@ -225,7 +225,9 @@ impl Store {
                                  (make it ON DELETE SET NULL)"
                             ),
                             Err(e) => {
-                                return Err(Error::db(format!("reap key {key_id} of owner {owner}"))(e))
+                                return Err(Error::db(format!(
+                                    "reap key {key_id} of owner {owner}"
+                                ))(e))
                             }
                         }
                     }
