@@ -269,3 +269,186 @@ async fn rocket_rides_migrate_on_a_new_database_twice_and_concurrently(pool: PgP
         1
     );
 }
+
+mod common;
+
+/// `rider()` parses a key's owner leniently (`"07"` and `"+7"` are user 7). A key the service did
+/// not write, owned by such a look-alike of a user, abandoned on POST /rides past the grace: the
+/// completer must never book or charge it for that user. It holds today because the ride's
+/// foreign key (key_owner = user_id::text) refuses the key; this guards it.
+#[sqlx::test(migrations = false)]
+async fn the_completer_never_books_or_charges_a_look_alike_owners_key_for_a_user(pool: PgPool) {
+    let app = common::TestApp::start(pool).await;
+    let (user, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // A real request dies after its ride: its key, at ride_created, is the template.
+    app.state
+        .failpoints
+        .arm(rocket_rides::failpoints::AFTER_RIDE_CREATED);
+    let reply = app
+        .post_ride(Some(&api_key), Some("real"), common::RIDE)
+        .await;
+    assert_eq!(reply.status, 500, "{reply:?}");
+    for (owner, point) in [
+        (format!("0{user}"), "ride_created"),
+        (format!("+{user}"), "started"),
+    ] {
+        sqlx::query(
+            "WITH k AS (
+                 INSERT INTO idempotency_keys
+                     (owner, request_method, request_path, idempotency_key, fingerprint,
+                      request_params, recovery_point, created_at, last_run_at)
+                 SELECT $1, request_method, request_path, idempotency_key, fingerprint,
+                        request_params, $2, created_at, last_run_at
+                 FROM idempotency_keys WHERE idempotency_key = 'real' AND owner = $3
+                 RETURNING owner, id, request_method, request_path, created_at)
+             INSERT INTO idempotency_keys_unfinished
+                 (owner, key_id, request_method, request_path, created_at)
+             SELECT * FROM k",
+        )
+        .bind(&owner)
+        .bind(point)
+        .bind(user.to_string())
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    }
+    let settings = rocket_rides::config::WorkerArgs::default();
+    for _ in 0..3 {
+        app.clock
+            .advance(settings.completer_grace + settings.completer_backoff_max);
+        let _ = rocket_rides::worker::completer::run_once(&app.state, &settings).await;
+    }
+    // The completer did take the look-alikes up (and failed them).
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) FROM idempotency_keys
+             WHERE owner <> '{user}' AND completer_attempts > 0 AND finished_at IS NULL"
+        ))
+        .await,
+        2
+    );
+    // The real key is finished with its one ride and one charge; the look-alikes have none.
+    assert_eq!(
+        app.count("SELECT count(*) FROM rides WHERE status = 'paid'")
+            .await,
+        1
+    );
+    assert_eq!(app.rides().await, 1);
+    assert_eq!(app.charges().await, 1);
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) FROM rides WHERE user_id = {user} AND key_owner <> '{user}'"
+        ))
+        .await,
+        0
+    );
+}
+
+/// The migrations of `dir` below `below`, recorded in sqlx's table as the oldest bookkeeping did.
+async fn run_below(pool: &PgPool, dir: &std::path::Path, below: i64) {
+    let copy = std::env::temp_dir().join(format!("owner-adversary-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let name = entry.unwrap().file_name();
+        let version: i64 = name.to_str().unwrap()[..14].parse().unwrap();
+        if version < below {
+            std::fs::copy(dir.join(&name), copy.join(&name)).unwrap();
+        }
+    }
+    let mut migrator = sqlx::migrate::Migrator::new(copy.as_path()).await.unwrap();
+    std::fs::remove_dir_all(&copy).unwrap();
+    migrator.set_ignore_missing(true);
+    migrator.run(pool).await.unwrap();
+}
+
+/// FINDING. A database of the first build (2026-11-29: rides reference `idempotency_keys (id)`
+/// only), with a paid ride. The crate's plain `migrate` does not refuse it (no foreign key names
+/// `user_id` yet) and turns the owner into text; Rocket Rides' pending 20261130100002 then
+/// references `(user_id, id)` and fails on every run: a database with real rides that
+/// `rocket-rides migrate` can never upgrade again. (`rocket-rides migrate` alone upgrades it.)
+#[sqlx::test(migrations = false)]
+async fn finding_plain_crate_migrate_on_a_first_build_database_strands_its_rides(pool: PgPool) {
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    run_below(
+        &pool,
+        &crates.join("idempotency/migrations"),
+        20261130000000,
+    )
+    .await;
+    run_below(
+        &pool,
+        &crates.join("rocket-rides/migrations"),
+        20261130000000,
+    )
+    .await;
+    sqlx::raw_sql(
+        "INSERT INTO users (id, email, api_key_hash, stripe_customer_id)
+         VALUES (7, 'rider@example.com', decode(repeat('07', 32), 'hex'), 'cus_7');
+         INSERT INTO idempotency_keys
+             (id, user_id, request_method, request_path, idempotency_key, fingerprint,
+              request_params, recovery_point, response_status, response_headers, response_body,
+              finished_at)
+         VALUES (70, 7, 'POST', '/rides', 'k-1', decode(repeat('00', 32), 'hex'), '{}',
+                 'finished', 201, '[]', '\\x7b7d', now());
+         INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
+                            target_lon, amount_cents, charge_id, status)
+         VALUES (7, 70, 0, 0, 0, 0, 100, 'ch_1', 'paid');",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let plain = idempotency::migrate(&pool).await;
+    let first = rocket_rides::db::migrate(&pool).await;
+    let again = rocket_rides::db::migrate(&pool).await;
+    assert!(
+        plain.is_err() || first.is_ok() || again.is_ok(),
+        "plain migrate accepted the database ({plain:?}), and the service can never migrate it \
+         again: {:?}",
+        again.err().map(|e| e.to_string())
+    );
+}
+
+/// The control of the finding above: the same first-build database, upgraded by
+/// `rocket-rides migrate` alone, keeps its ride on its key.
+#[sqlx::test(migrations = false)]
+async fn a_first_build_database_upgrades_by_rocket_rides_migrate_alone(pool: PgPool) {
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    run_below(
+        &pool,
+        &crates.join("idempotency/migrations"),
+        20261130000000,
+    )
+    .await;
+    run_below(
+        &pool,
+        &crates.join("rocket-rides/migrations"),
+        20261130000000,
+    )
+    .await;
+    sqlx::raw_sql(
+        "INSERT INTO users (id, email, api_key_hash, stripe_customer_id)
+         VALUES (7, 'rider@example.com', decode(repeat('07', 32), 'hex'), 'cus_7');
+         INSERT INTO idempotency_keys
+             (id, user_id, request_method, request_path, idempotency_key, fingerprint,
+              request_params, recovery_point, response_status, response_headers, response_body,
+              finished_at)
+         VALUES (70, 7, 'POST', '/rides', 'k-1', decode(repeat('00', 32), 'hex'), '{}',
+                 'finished', 201, '[]', '\\x7b7d', now());
+         INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
+                            target_lon, amount_cents, charge_id, status)
+         VALUES (7, 70, 0, 0, 0, 0, 100, 'ch_1', 'paid');",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    rocket_rides::db::migrate(&pool).await.unwrap();
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM rides r JOIN idempotency_keys k
+             ON k.owner = r.key_owner AND k.id = r.idempotency_key_id WHERE k.owner = '7'"
+        )
+        .await,
+        1
+    );
+}
