@@ -59,13 +59,20 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 /// runs on its side of the crate's, on a database of any age (a new one too, whose old
 /// migrations still create the `bigint` reference first).
 ///
-/// A crate migration is applied before the first pending application migration of a higher
-/// version; on an existing database, it follows the application's migrations already applied,
-/// whatever their versions. The crate's migrations run as [`migrate`] runs them, in a transaction
-/// of their own; the application's as sqlx runs them, each in its own unless it asks for none
+/// A crate migration is applied before the first pending application migration of a higher or
+/// equal version; on an existing database, it follows the application's migrations already
+/// applied, whatever their versions. A pending application migration below a crate migration
+/// applied already is refused, with nothing applied: the crate's plain [`migrate`] ran on the
+/// database first (use one of the two on a database, not both), or the migration was numbered
+/// below the crate's after the fact.
+///
+/// The crate's migrations run as [`migrate`] runs them, in a transaction of their own; the
+/// application's as sqlx runs them, each in its own unless it asks for none
 /// (`-- no-transaction`). sqlx's advisory lock is held throughout, so concurrent
-/// `migrate_with`s take turns. Applied application migrations are checked against `app`'s
-/// files before anything is applied, and `app.run` checks the rest at the end.
+/// `migrate_with`s take turns. Applied application migrations are checked against `app`'s files
+/// before anything is applied. One that `app` does not know is found only at the end, by
+/// `app.run` (which honours `set_ignore_missing`), after the pending ones ran; sqlx's own `run`
+/// would refuse it before.
 ///
 /// ```no_run
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), idempotency::Error> {
@@ -115,6 +122,26 @@ async fn interleave(conn: &mut PgConnection, app: &Migrator) -> Result<(), Error
         }
     }
     pending.sort_by_key(|m| m.version);
+    // A pending application migration below a crate migration already applied cannot have its
+    // place: the crate's plain `migrate` ran on this database before it (its old migrations
+    // would then meet a table they were not written for), or it was numbered after the fact.
+    let latest_ours: Option<i64> =
+        sqlx::query_scalar("SELECT max(version) FROM idempotency_schema_migrations")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(Error::db("read the idempotency migrations table"))?;
+    if let (Some(first), Some(latest)) = (pending.first(), latest_ours) {
+        if first.version < latest {
+            return Err(Error::Migration(format!(
+                "application migration {} ({}) is pending below the crate's migration {latest}, \
+                 applied already, so their order of versions cannot be kept: was the crate's \
+                 plain `migrate` run on this database before the application's migrations? Run \
+                 only `migrate_with` on a database; number new application migrations above the \
+                 crate's; nothing was applied",
+                first.version, first.description
+            )));
+        }
+    }
     for migration in pending {
         apply_ours(conn, Some(migration.version)).await?;
         conn.apply(migration).await.map_err(app_error)?;
@@ -172,7 +199,8 @@ async fn apply_ours(conn: &mut PgConnection, below: Option<i64>) -> Result<(), E
         match done {
             Some(row) if row.get::<Vec<u8>, _>("checksum") == *migration.checksum => {}
             Some(_) => return Err(changed(migration)),
-            None if below.is_some_and(|below| migration.version >= below) => {}
+            // On a tie, the crate's first.
+            None if below.is_some_and(|below| migration.version > below) => {}
             None => run(&mut tx, migration).await?,
         }
     }

