@@ -11,6 +11,8 @@ use idempotency::{
 use serde_json::json;
 use sqlx::PgPool;
 
+mod support;
+
 async fn count(pool: &PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
 }
@@ -61,30 +63,13 @@ async fn a_fresh_database_gets_the_crates_bookkeeping_and_leaves_sqlxs_alone(poo
         .unwrap();
 }
 
+/// The crate's migrations (or the application's) below `below`, as an earlier version held them.
+async fn migrator_below(dir: &str, below: i64) -> sqlx::migrate::Migrator {
+    support::migrator_of(dir, below, &[]).await
+}
+
 /// The version of the crate's migration that turned the owner into text.
 const OWNER_TEXT: i64 = 20261202000001;
-
-/// A migrator of the files of `dir` (under the crate) whose versions are below `below`: what an
-/// earlier version of the crate, or of the application, held.
-async fn migrator_below(dir: &str, below: i64) -> sqlx::migrate::Migrator {
-    let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
-    let to = std::env::temp_dir().join(format!(
-        "idempotency-migrations-{}-{}",
-        std::process::id(),
-        idempotency::Uuid::new_v4()
-    ));
-    std::fs::create_dir_all(&to).unwrap();
-    for entry in std::fs::read_dir(&from).unwrap() {
-        let name = entry.unwrap().file_name();
-        let version: i64 = name.to_str().unwrap()[..14].parse().unwrap();
-        if version < below {
-            std::fs::copy(from.join(&name), to.join(&name)).unwrap();
-        }
-    }
-    let migrator = sqlx::migrate::Migrator::new(to.as_path()).await.unwrap();
-    std::fs::remove_dir_all(&to).unwrap();
-    migrator
-}
 
 /// A database as the crate's versions before the text owner left it, recording in sqlx's
 /// table, with the application's first migration (an integer owner referenced) beside it, and

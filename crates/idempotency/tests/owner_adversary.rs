@@ -6,7 +6,6 @@
 //! database the plain one got to first, the crate's migration runs first on a tie, and the
 //! table counts an owner's UTF-8 bytes in any database encoding.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,8 +14,10 @@ use idempotency::{
     OwnerError, Store, StoredResponse,
 };
 use serde_json::{json, Value};
-use sqlx::migrate::Migrator;
 use sqlx::PgPool;
+
+mod support;
+use support::migrator_of;
 
 const TTL: Duration = Duration::from_secs(30);
 
@@ -44,35 +45,6 @@ fn acquired(claim: Claim<OneStep>) -> idempotency::Lease<OneStep> {
         Claim::Acquired(lease) => lease,
         other => panic!("expected an acquired lease, got {other:?}"),
     }
-}
-
-fn crate_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// A migrator over a temporary directory holding the files of `dir` whose versions are below
-/// `below`, plus `extra` (file name, contents).
-async fn migrator_of(dir: &str, below: i64, extra: &[(&str, &str)]) -> Migrator {
-    let from = crate_dir().join(dir);
-    let to = std::env::temp_dir().join(format!(
-        "owner-adversary-{}-{}",
-        std::process::id(),
-        idempotency::Uuid::new_v4()
-    ));
-    std::fs::create_dir_all(&to).unwrap();
-    for entry in std::fs::read_dir(&from).unwrap() {
-        let name = entry.unwrap().file_name();
-        let version: i64 = name.to_str().unwrap()[..14].parse().unwrap();
-        if version < below {
-            std::fs::copy(from.join(&name), to.join(&name)).unwrap();
-        }
-    }
-    for (name, sql) in extra {
-        std::fs::write(to.join(name), sql).unwrap();
-    }
-    let migrator = Migrator::new(to.as_path()).await.unwrap();
-    std::fs::remove_dir_all(&to).unwrap();
-    migrator
 }
 
 const OWNER_TEXT: i64 = 20261202000001;

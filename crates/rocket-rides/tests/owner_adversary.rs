@@ -325,58 +325,13 @@ async fn the_completer_never_books_or_charges_a_look_alike_owners_key_for_a_user
     );
 }
 
-/// The migrations of `dir` below `below`, recorded in sqlx's table as the oldest bookkeeping did.
-async fn run_below(pool: &PgPool, dir: &std::path::Path, below: i64) {
-    let copy = std::env::temp_dir().join(format!("owner-adversary-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&copy).unwrap();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let name = entry.unwrap().file_name();
-        let version: i64 = name.to_str().unwrap()[..14].parse().unwrap();
-        if version < below {
-            std::fs::copy(dir.join(&name), copy.join(&name)).unwrap();
-        }
-    }
-    let mut migrator = sqlx::migrate::Migrator::new(copy.as_path()).await.unwrap();
-    std::fs::remove_dir_all(&copy).unwrap();
-    migrator.set_ignore_missing(true);
-    migrator.run(pool).await.unwrap();
-}
-
 /// A database of the first build (2026-11-29: rides reference `idempotency_keys (id)`
 /// only), with a paid ride, on which the crate's plain `migrate` ran alone.
 #[sqlx::test(migrations = false)]
 async fn plain_crate_migrate_on_a_first_build_database_makes_the_service_refuse_clearly(
     pool: PgPool,
 ) {
-    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    run_below(
-        &pool,
-        &crates.join("idempotency/migrations"),
-        20261130000000,
-    )
-    .await;
-    run_below(
-        &pool,
-        &crates.join("rocket-rides/migrations"),
-        20261130000000,
-    )
-    .await;
-    sqlx::raw_sql(
-        "INSERT INTO users (id, email, api_key_hash, stripe_customer_id)
-         VALUES (7, 'rider@example.com', decode(repeat('07', 32), 'hex'), 'cus_7');
-         INSERT INTO idempotency_keys
-             (id, user_id, request_method, request_path, idempotency_key, fingerprint,
-              request_params, recovery_point, response_status, response_headers, response_body,
-              finished_at)
-         VALUES (70, 7, 'POST', '/rides', 'k-1', decode(repeat('00', 32), 'hex'), '{}',
-                 'finished', 201, '[]', '\\x7b7d', now());
-         INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
-                            target_lon, amount_cents, charge_id, status)
-         VALUES (7, 70, 0, 0, 0, 0, 100, 'ch_1', 'paid');",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    common::earlier_database_with_a_paid_ride(&pool, 20261130000000, 20261130000000).await;
     // The crate's 20261130000002 (the primary key with the user, CASCADE) drops the rides'
     // reference by id before the owner change looks for references, so a plain migrate gets
     // through; Rocket Rides' pending migrations could then never run. The service's migrator
@@ -399,35 +354,7 @@ async fn plain_crate_migrate_on_a_first_build_database_makes_the_service_refuse_
 /// `rocket-rides migrate` alone, keeps its ride on its key.
 #[sqlx::test(migrations = false)]
 async fn a_first_build_database_upgrades_by_rocket_rides_migrate_alone(pool: PgPool) {
-    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    run_below(
-        &pool,
-        &crates.join("idempotency/migrations"),
-        20261130000000,
-    )
-    .await;
-    run_below(
-        &pool,
-        &crates.join("rocket-rides/migrations"),
-        20261130000000,
-    )
-    .await;
-    sqlx::raw_sql(
-        "INSERT INTO users (id, email, api_key_hash, stripe_customer_id)
-         VALUES (7, 'rider@example.com', decode(repeat('07', 32), 'hex'), 'cus_7');
-         INSERT INTO idempotency_keys
-             (id, user_id, request_method, request_path, idempotency_key, fingerprint,
-              request_params, recovery_point, response_status, response_headers, response_body,
-              finished_at)
-         VALUES (70, 7, 'POST', '/rides', 'k-1', decode(repeat('00', 32), 'hex'), '{}',
-                 'finished', 201, '[]', '\\x7b7d', now());
-         INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
-                            target_lon, amount_cents, charge_id, status)
-         VALUES (7, 70, 0, 0, 0, 0, 100, 'ch_1', 'paid');",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    common::earlier_database_with_a_paid_ride(&pool, 20261130000000, 20261130000000).await;
     rocket_rides::db::migrate(&pool).await.unwrap();
     assert_eq!(
         count(

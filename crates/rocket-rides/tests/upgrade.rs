@@ -1,65 +1,18 @@
 //! A database of the service as it stood before the key's owner became text, with a paid ride
 //! on a finished key, upgraded in place by `rocket-rides migrate`.
 
-use std::path::Path;
-
 use sqlx::PgPool;
+
+mod common;
 
 /// The last version of each side before the change: the crate's migration that turned the owner
 /// into text, and the service's that released the ride's reference for it.
 const CRATE_OWNER_TEXT: i64 = 20261202000001;
 const SERVICE_RELEASE: i64 = 20261201900001;
 
-/// The migrations of `dir` below `below`, recorded in sqlx's table as the oldest bookkeeping
-/// did (the crate adopts its own entries from there).
-async fn run_below(pool: &PgPool, dir: &Path, below: i64) {
-    let copy = std::env::temp_dir().join(format!("rocket-rides-upgrade-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&copy).unwrap();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let name = entry.unwrap().file_name();
-        let version: i64 = name.to_str().unwrap()[..14].parse().unwrap();
-        if version < below {
-            std::fs::copy(dir.join(&name), copy.join(&name)).unwrap();
-        }
-    }
-    let mut migrator = sqlx::migrate::Migrator::new(copy.as_path()).await.unwrap();
-    std::fs::remove_dir_all(&copy).unwrap();
-    migrator.set_ignore_missing(true);
-    migrator.run(pool).await.unwrap();
-}
-
 #[sqlx::test(migrations = false)]
 async fn a_database_from_before_the_text_owner_upgrades_in_place_with_its_rides(pool: PgPool) {
-    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    run_below(
-        &pool,
-        &crates.join("idempotency/migrations"),
-        CRATE_OWNER_TEXT,
-    )
-    .await;
-    run_below(
-        &pool,
-        &crates.join("rocket-rides/migrations"),
-        SERVICE_RELEASE,
-    )
-    .await;
-    // A user, a finished key, its paid ride; as that schema had them (user_id BIGINT).
-    sqlx::raw_sql(
-        "INSERT INTO users (id, email, api_key_hash, stripe_customer_id)
-         VALUES (7, 'rider@example.com', decode(repeat('07', 32), 'hex'), 'cus_7');
-         INSERT INTO idempotency_keys
-             (id, user_id, request_method, request_path, idempotency_key, fingerprint,
-              request_params, recovery_point, response_status, response_headers, response_body,
-              finished_at)
-         VALUES (70, 7, 'POST', '/rides', 'k-1', decode(repeat('00', 32), 'hex'), '{}',
-                 'finished', 201, '[]', '\\x7b7d', now());
-         INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
-                            target_lon, amount_cents, charge_id, status)
-         VALUES (7, 70, 0, 0, 0, 0, 100, 'ch_1', 'paid');",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    common::earlier_database_with_a_paid_ride(&pool, CRATE_OWNER_TEXT, SERVICE_RELEASE).await;
 
     rocket_rides::db::migrate(&pool).await.unwrap();
 

@@ -539,3 +539,50 @@ pub async fn charges_come_to(app: &TestApp, n: i64) {
     }
     panic!("the gateway never came to {n} charges");
 }
+
+/// The migrations of `dir` below `below`, recorded in sqlx's table as the oldest bookkeeping did
+/// (the crate adopts its own entries from there).
+pub async fn run_below(pool: &PgPool, dir: &std::path::Path, below: i64) {
+    let copy = std::env::temp_dir().join(format!("rocket-rides-earlier-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let name = entry.unwrap().file_name();
+        let version: i64 = name.to_str().unwrap()[..14].parse().unwrap();
+        if version < below {
+            std::fs::copy(dir.join(&name), copy.join(&name)).unwrap();
+        }
+    }
+    let mut migrator = sqlx::migrate::Migrator::new(copy.as_path()).await.unwrap();
+    std::fs::remove_dir_all(&copy).unwrap();
+    migrator.set_ignore_missing(true);
+    migrator.run(pool).await.unwrap();
+}
+
+/// A database as an earlier build left it: the crate's migrations below `crate_below` and the
+/// service's below `service_below`, with user 7, a finished key 70 and its paid ride, written as
+/// that schema had them (`idempotency_keys.user_id BIGINT`).
+pub async fn earlier_database_with_a_paid_ride(
+    pool: &PgPool,
+    crate_below: i64,
+    service_below: i64,
+) {
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    run_below(pool, &crates.join("idempotency/migrations"), crate_below).await;
+    run_below(pool, &crates.join("rocket-rides/migrations"), service_below).await;
+    sqlx::raw_sql(
+        "INSERT INTO users (id, email, api_key_hash, stripe_customer_id)
+         VALUES (7, 'rider@example.com', decode(repeat('07', 32), 'hex'), 'cus_7');
+         INSERT INTO idempotency_keys
+             (id, user_id, request_method, request_path, idempotency_key, fingerprint,
+              request_params, recovery_point, response_status, response_headers, response_body,
+              finished_at)
+         VALUES (70, 7, 'POST', '/rides', 'k-1', decode(repeat('00', 32), 'hex'), '{}',
+                 'finished', 201, '[]', '\\x7b7d', now());
+         INSERT INTO rides (user_id, idempotency_key_id, origin_lat, origin_lon, target_lat,
+                            target_lon, amount_cents, charge_id, status)
+         VALUES (7, 70, 0, 0, 0, 0, 100, 'ch_1', 'paid');",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
