@@ -62,6 +62,17 @@ pub enum Error {
     #[error("invalid idempotency setting: {0}")]
     InvalidConfig(String),
 
+    /// The commit went through on the primary, but the server warned that its wait for the
+    /// synchronous standby was cancelled: the standby may not have it, and a failover would lose
+    /// it. Take it for an unknown outcome, as a commit whose answer was lost: do not acknowledge
+    /// it (answer a `503`), release the lease if you hold one, and let the retry resume or
+    /// replay. Seen only with [`crate::commit_watch`] installed.
+    #[error("{context}: committed on the primary, but its wait for the synchronous standby was cancelled")]
+    CommitUnconfirmed {
+        /// What the store was committing, with the key involved.
+        context: String,
+    },
+
     /// The database failed; `context` says what the store was doing.
     #[error("{context}: {source}")]
     Database {

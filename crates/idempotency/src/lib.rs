@@ -47,6 +47,7 @@
 
 mod canonical;
 mod clock;
+pub mod commit_watch;
 mod error;
 mod fingerprint;
 mod key;

@@ -54,12 +54,15 @@ pub mod types {
     pub const REQUEST_TIMEOUT: &str = "urn:problem:rocket-rides:request-timeout";
     /// The server is answering as many requests or connections as it takes (503).
     pub const OVER_CAPACITY: &str = "urn:problem:rocket-rides:over-capacity";
+    /// The database committed the request's write but did not confirm that its synchronous
+    /// standby has it (the wait was cancelled): the outcome is not acknowledged; retry (503).
+    pub const COMMIT_UNCONFIRMED: &str = "urn:problem:rocket-rides:commit-unconfirmed";
 
     use idempotency_axum::problem::types as key;
 
     /// Every type the service answers with, the idempotency face's included: the OpenAPI
     /// document's closed list.
-    pub const ALL: [&str; 25] = [
+    pub const ALL: [&str; 26] = [
         BAD_JSON,
         BAD_BODY,
         BODY_TOO_LARGE,
@@ -79,6 +82,7 @@ pub mod types {
         INTERNAL,
         REQUEST_TIMEOUT,
         OVER_CAPACITY,
+        COMMIT_UNCONFIRMED,
         key::KEY_MISSING,
         key::KEY_INVALID,
         key::KEY_REUSED,
@@ -189,6 +193,10 @@ pub enum ApiError {
     /// The server sheds the request or the connection: it answers as many as it takes.
     #[error("over capacity")]
     OverCapacity,
+    /// A write of the request committed, but its wait for the synchronous standby was
+    /// cancelled: a failover may lose it, so it is not acknowledged.
+    #[error("commit unconfirmed: {0}")]
+    CommitUnconfirmed(String),
     /// Anything else.
     #[error("internal error: {0}")]
     Internal(String),
@@ -196,7 +204,10 @@ pub enum ApiError {
 
 impl From<idempotency::Error> for ApiError {
     fn from(e: idempotency::Error) -> Self {
-        Self::Internal(e.to_string())
+        match e {
+            idempotency::Error::CommitUnconfirmed { .. } => Self::CommitUnconfirmed(e.to_string()),
+            other => Self::Internal(other.to_string()),
+        }
     }
 }
 
@@ -314,6 +325,16 @@ impl ApiError {
             )
             .with_detail("the server is answering as many requests as it takes; retry shortly")
             .with_retry_after(OVERLOAD_RETRY_AFTER),
+            Self::CommitUnconfirmed(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::COMMIT_UNCONFIRMED,
+                "Outcome not confirmed",
+            )
+            .with_detail(
+                "the database did not confirm that the request's write is safe from a failover; \
+                 retry with the same Idempotency-Key, which finds the outcome",
+            )
+            .with_retry_after(GATEWAY_RETRY_AFTER),
             Self::Internal(_) => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 types::INTERNAL,
@@ -333,6 +354,9 @@ impl IntoResponse for ApiError {
             }
             Self::PaymentPending(charge) => {
                 tracing::info!(charge = %charge, "payment pending at the gateway")
+            }
+            Self::CommitUnconfirmed(why) => {
+                tracing::warn!(error = %why, "commit not confirmed by the synchronous standby")
             }
             Self::Internal(why) => tracing::error!(error = %why, "internal error"),
             _ => {}

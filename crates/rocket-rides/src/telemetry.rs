@@ -20,18 +20,27 @@ pub enum LogFormat {
 pub const DEFAULT_FILTER: &str = "info,sqlx=warn";
 
 /// Installs the global subscriber; call once, first thing in `main`.
+///
+/// The filter (`RUST_LOG`) is the log's own, not the subscriber's: the library's commit watch
+/// ([`idempotency::commit_watch`]) sees sqlx's warnings whatever the log shows.
 pub fn init(format: LogFormat) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder
+    let log = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let log = match format {
+        LogFormat::Text => log.boxed(),
+        LogFormat::Json => log
             .json()
             .with_current_span(true)
             .with_span_list(false)
-            .init(),
-    }
+            .boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(log.with_filter(filter))
+        .with(idempotency::commit_watch::layer())
+        .init();
 }

@@ -14,6 +14,8 @@ use super::model::{
     lease_from_row, stored_response, Claim, Lease, NewRequest, RecoveryPoint, Store,
 };
 use super::phase::finish_key;
+use super::unless_cancelled;
+use crate::commit_watch::watched;
 use crate::observe::{ClaimOutcome, Observed};
 use crate::{Error, StoredResponse};
 
@@ -134,9 +136,9 @@ impl Store {
                         .await?
                     {
                         Inserted::Row(lease) => {
-                            tx.commit()
-                                .await
-                                .map_err(|e| expiry_error(&req, expired, e))?;
+                            let (committed, cancelled) = watched(tx.commit()).await;
+                            committed.map_err(|e| expiry_error(&req, expired, e))?;
+                            unless_cancelled(cancelled, claim_context(&req))?;
                             return Ok(Claim::Acquired(lease));
                         }
                         // Dropping the transaction rolls it back.
@@ -323,7 +325,7 @@ impl Store {
             };
             match claim {
                 Some(Claim::Acquired(lease)) => {
-                    tx.commit().await.map_err(Error::db(claim_context(&req)))?;
+                    super::commit(tx, claim_context(&req)).await?;
                     return Ok(Begun::Existing(Claim::Acquired(lease)));
                 }
                 // A refusal wrote nothing: the transaction ends without a commit.
@@ -439,10 +441,15 @@ impl Store {
         .bind(req.fingerprint.as_bytes().as_slice())
         .bind(self.now())
         .bind(self.ttl_millis())
-        .fetch_optional(db)
-        .await;
+        .fetch_optional(db);
+        // Outside a transaction the statement commits by itself: a takeover whose commit the
+        // standby may not have is not a lease to act on.
+        let (row, cancelled) = watched(row).await;
         match row {
-            Ok(Some(row)) => lease_from_row(&row, req.owner.clone(), asked_at).map(Taken::Lease),
+            Ok(Some(row)) => {
+                unless_cancelled(cancelled, claim_context(req))?;
+                lease_from_row(&row, req.owner.clone(), asked_at).map(Taken::Lease)
+            }
             Ok(None) => Ok(Taken::NotClaimable),
             Err(e) if is_lock_timeout(&e) => Ok(Taken::Locked),
             Err(e) => Err(Error::db(claim_context(req))(e)),
@@ -491,10 +498,18 @@ impl Store {
         .bind(self.now())
         .bind(self.ttl_millis())
         .bind(track)
-        .fetch_optional(&mut *conn)
-        .await;
+        .fetch_optional(&mut *conn);
+        // Outside a transaction (a claim) the insert commits by itself: a key whose commit the
+        // standby may not have must not name a foreign request (its UUID) yet. Inside one, the
+        // commit is watched instead.
+        let (row, cancelled) = watched(row).await;
         let row = match row {
-            Ok(row) => row,
+            Ok(row) => {
+                if row.is_some() {
+                    unless_cancelled(cancelled, claim_context(req))?;
+                }
+                row
+            }
             Err(e) if is_lock_timeout(&e) => return Ok(Inserted::Locked),
             Err(e) => return Err(Error::db(claim_context(req))(e)),
         };
@@ -717,7 +732,7 @@ impl<P: RecoveryPoint> FirstPhase<P> {
             .await
             .map_err(Error::db(context()))?;
         }
-        self.tx.commit().await.map_err(Error::db(context()))?;
+        super::commit(self.tx, context()).await?;
         let point = self.lease.recovery_point.name();
         self.observer.phase_committed(point, self.opened.elapsed());
         Ok(self.lease)
@@ -728,10 +743,7 @@ impl<P: RecoveryPoint> FirstPhase<P> {
     pub async fn finish(mut self, response: &StoredResponse) -> Result<(), Error> {
         finish_key(&mut self.tx, &self.lease, response, self.now).await?;
         let key_id = self.lease.key_id;
-        self.tx
-            .commit()
-            .await
-            .map_err(Error::db(format!("finish key {key_id}")))?;
+        super::commit(self.tx, format!("finish key {key_id}")).await?;
         self.observer
             .phase_committed(P::FINISHED.name(), self.opened.elapsed());
         Ok(())

@@ -34,6 +34,9 @@
 //!   index entries, vacuum or not. The unfinished keys are listed in a table of their own
 //!   (`idempotency_keys_unfinished`, written by the same statements that insert and finish a
 //!   key): the completer scans it, and the reaper scans keys by `created_at`.
+//! - **Every commit is confirmed.** A commit (or a claim's autocommit write) whose wait for a
+//!   synchronous standby the server reports cancelled is an [`Error::CommitUnconfirmed`], never a
+//!   success ([`crate::commit_watch`]).
 //! - **Release** after a transient failure is fenced the same way, so a stale holder cannot free
 //!   a lease that is no longer its own.
 //! - **The completer's claim** takes abandoned keys in batches with `FOR UPDATE SKIP LOCKED` and
@@ -46,6 +49,31 @@ mod claim;
 mod maintenance;
 mod model;
 mod phase;
+
+use sqlx::{Postgres, Transaction};
+
+use crate::commit_watch::watched;
+use crate::Error;
+
+/// Commits `tx`, and refuses the success of a commit whose wait for the synchronous standby
+/// the server reports cancelled ([`Error::CommitUnconfirmed`]; see [`crate::commit_watch`]).
+pub(super) async fn commit(
+    tx: Transaction<'static, Postgres>,
+    context: String,
+) -> Result<(), Error> {
+    let (committed, cancelled) = watched(tx.commit()).await;
+    committed.map_err(Error::db(context.clone()))?;
+    unless_cancelled(cancelled, context)
+}
+
+/// The answer of a write that committed on its own (an autocommit statement), given whether
+/// the server reported its wait for the synchronous standby cancelled.
+pub(super) fn unless_cancelled(cancelled: bool, context: String) -> Result<(), Error> {
+    if cancelled {
+        return Err(Error::CommitUnconfirmed { context });
+    }
+    Ok(())
+}
 
 pub use claim::{Begun, FirstPhase};
 pub use maintenance::{KeyFilter, KeyRecord};

@@ -324,10 +324,8 @@ impl<P: RecoveryPoint> Phase<'_, P> {
     /// Commits the phase: its writes and the new recovery point become visible together.
     pub async fn commit(self) -> Result<(), Error> {
         let key_id = self.lease.key_id;
-        self.tx.commit().await.map_err(Error::db(format!(
-            "commit phase {} of key {key_id}",
-            self.to.name()
-        )))?;
+        let context = format!("commit phase {} of key {key_id}", self.to.name());
+        super::commit(self.tx, context).await?;
         self.lease.recovery_point = self.to;
         self.lease.locked_until = self.locked_until;
         self.lease.confirmed_at = self.fenced_at;
@@ -363,10 +361,7 @@ impl<P: RecoveryPoint> FinalPhase<'_, P> {
     pub async fn finish(mut self, response: &StoredResponse) -> Result<(), Error> {
         finish_key(&mut self.tx, self.lease, response, self.now).await?;
         let key_id = self.lease.key_id;
-        self.tx
-            .commit()
-            .await
-            .map_err(Error::db(format!("finish key {key_id}")))?;
+        super::commit(self.tx, format!("finish key {key_id}")).await?;
         self.lease.recovery_point = P::FINISHED;
         self.observer
             .phase_committed(P::FINISHED.name(), self.opened.elapsed());
@@ -415,15 +410,13 @@ impl<P: RecoveryPoint> OwnedFinalPhase<P> {
             observer,
             ..
         } = self;
-        match tx.commit().await {
+        let key_id = lease.key_id;
+        match super::commit(tx, format!("finish key {key_id}")).await {
             Ok(()) => {
                 observer.phase_committed(P::FINISHED.name(), opened.elapsed());
                 Ok(())
             }
-            Err(e) => {
-                let key_id = lease.key_id;
-                Err((Error::db(format!("finish key {key_id}"))(e), lease))
-            }
+            Err(e) => Err((e, lease)),
         }
     }
 

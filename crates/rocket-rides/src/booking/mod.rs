@@ -151,6 +151,10 @@ pub enum BookingError {
         /// When the list can be made.
         retry_after: Duration,
     },
+    /// A phase committed, but the database warned that its wait for the synchronous standby
+    /// was cancelled: a failover may lose it. Not acknowledged; the key resumes.
+    #[error("{0}")]
+    CommitUnconfirmed(String),
     /// Anything else: a database failure, a broken invariant.
     #[error("{0}")]
     Internal(String),
@@ -189,6 +193,7 @@ impl From<idempotency::Error> for BookingError {
             idempotency::Error::LeaseLost { .. } | idempotency::Error::LeaseUnconfirmed { .. } => {
                 Self::LeaseLost(e)
             }
+            idempotency::Error::CommitUnconfirmed { .. } => Self::CommitUnconfirmed(e.to_string()),
             other => Self::Internal(other.to_string()),
         }
     }

@@ -38,7 +38,7 @@ use crate::state::AppState;
         (status = 422, description = "`urn:problem:idempotency:key-reused`: the key was used with another body. Nothing changes.", body = Problem, content_type = "application/problem+json"),
         (status = 500, description = "`urn:problem:rocket-rides:internal`: retry with the same key.", body = Problem, content_type = "application/problem+json"),
         (status = 502, description = "`urn:problem:rocket-rides:payment-refused`: the gateway refused the charge for good; `gateway_error` says what it said. Stored and replayed.", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "`urn:problem:rocket-rides:gateway-unavailable`, `…:payment-pending`, `…:payment-unconfirmed` or `…:shutting-down`: retry with the same key after `Retry-After`.", body = Problem, content_type = "application/problem+json",
+        (status = 503, description = "`urn:problem:rocket-rides:gateway-unavailable`, `…:payment-pending`, `…:payment-unconfirmed`, `…:commit-unconfirmed` or `…:shutting-down`: retry with the same key after `Retry-After`.", body = Problem, content_type = "application/problem+json",
          headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ),
     security(("api_key" = []))
@@ -146,6 +146,7 @@ fn unfinished_first_phase(error: BookingError) -> ApiError {
             tracing::warn!(point, "crash point hit");
             ApiError::Internal(format!("crashed at {point}"))
         }
+        BookingError::CommitUnconfirmed(why) => ApiError::CommitUnconfirmed(why),
         other => ApiError::Internal(other.to_string()),
     }
 }
@@ -190,6 +191,7 @@ async fn book(
         Err(BookingError::PaymentPending(charge)) => ApiError::PaymentPending(charge),
         Err(BookingError::Unconfirmed { retry_after }) => ApiError::PaymentUnconfirmed(retry_after),
         Err(BookingError::GivenUp) => ApiError::ShuttingDown,
+        Err(BookingError::CommitUnconfirmed(why)) => ApiError::CommitUnconfirmed(why),
         Err(BookingError::Internal(why)) => ApiError::Internal(why),
     };
     if let Err(release) = state.store.release(lease).await {

@@ -69,6 +69,7 @@ async fn resume(state: &AppState, mut lease: Lease<RidePoint>) -> Resumed<RidePo
             | BookingError::GatewayMisconfigured(_)
             | BookingError::PaymentPending(_)
             | BookingError::Unconfirmed { .. }
+            | BookingError::CommitUnconfirmed(_)
             | BookingError::Internal(_)
             | BookingError::GivenUp
             | BookingError::Crashed(_)),

@@ -126,22 +126,23 @@ impl Drop for TestPki {
     }
 }
 
-/// The URL of the database behind `pool`: the server of DATABASE_URL, the test's database.
+/// The URL of the database behind `pool`: DATABASE_URL's user, password and parameters, with
+/// the pool's server (the test server, or a cluster of the test's own) and database.
 pub async fn url_of(pool: &PgPool) -> String {
     let name: String = sqlx::query_scalar("SELECT current_database()")
         .fetch_one(pool)
         .await
         .unwrap();
     let base = std::env::var("DATABASE_URL").expect("DATABASE_URL is set for the tests");
-    let (without_query, query) = match base.split_once('?') {
-        Some((b, q)) => (b.to_owned(), format!("?{q}")),
-        None => (base.clone(), String::new()),
-    };
-    let server = without_query
-        .rsplit_once('/')
-        .map(|(s, _)| s.to_owned())
-        .unwrap();
-    format!("{server}/{name}{query}")
+    let mut url = reqwest::Url::parse(&base).expect("DATABASE_URL is a URL");
+    let options = pool.connect_options();
+    // A socket directory is no URL host: such a pool is on DATABASE_URL's own server.
+    if !options.get_host().starts_with('/') {
+        url.set_host(Some(options.get_host())).unwrap();
+        url.set_port(Some(options.get_port())).unwrap();
+    }
+    url.set_path(&format!("/{name}"));
+    url.to_string()
 }
 
 impl TestApp {
