@@ -118,6 +118,8 @@ async fn transfer(
         ));
     }
     let params = json!({ "from": from, "to": to, "amount_cents": amount_cents });
+    // README: from here. The README shows the lines down to "README: to here" as they stand;
+    // crates/proving-ground/tests/docs.rs fails when the two differ.
     let request = NewRequest {
         owner,
         method: "POST",
@@ -145,6 +147,7 @@ async fn transfer(
             return Err(Failure::InFlight(retry_after))
         }
     };
+    // README: to here.
     match advance(app, &mut lease).await {
         Ok(answer) => Ok(answer),
         // Another holder took the key over: it answers; nothing of ours is left to undo.

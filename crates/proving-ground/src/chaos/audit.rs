@@ -1,7 +1,7 @@
-//! The auditor: the invariants of DESIGN.md, each a named check with counts, computed from the
-//! service's tables, the gateway's tables and what the clients received. Every check looks from
-//! both sides where it can: from what clients were told to the rows, and from the rows back to
-//! what was asked.
+//! The auditor: the invariants (docs/protocol.md, docs/rocket-rides.md), each a named check with
+//! counts, computed from the service's tables, the gateway's tables and what the clients
+//! received. Every check looks from both sides where it can: from what clients were told to the
+//! rows, and from the rows back to what was asked.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 

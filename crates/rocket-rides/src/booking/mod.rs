@@ -24,32 +24,12 @@
 //!
 //! # The gateway key, and when it can no longer be trusted
 //!
-//! The charge is asked for under `rocket-rides:{request uuid}:charge:{generation}`: derived from
-//! the key row's random UUID (never its sequence number, which another database repeats), so
-//! every resumption asks for the same charge and the gateway answers with the one it made. That
-//! holds only while the gateway keeps the key with its true result. Stripe forgets keys after
-//! 24 hours, and keeps a 500 under a key for as long as it keeps the key. So the charge step
-//! first **reconciles** when either
-//!
-//! - the current generation's key was first used longer ago than `--gateway-key-window` (23 h):
-//!   the gateway may have forgotten it, and asking again could charge twice; or
-//! - the gateway just *replayed* a 5xx under the key: it stored a failure there for good (a replay
-//!   also proves that no request under the key is still running at the gateway).
-//!
-//! It also reconciles after an `idempotency_error`, and after a refusal that follows an attempt of
-//! unknown outcome: the gateway may hold a charge either way. Those doubts are kept on the ride
-//! (`charge_doubt`) so that the next attempt lists instead of asking again. An answer without the
-//! gateway's own error object (an intermediary's page) is never a refusal: an unknown outcome,
-//! asked again under the same key.
-//!
-//! Reconciling lists the customer's charges from the first attempt to the last call (plus the
-//! processing bound) and adopts the one whose metadata names this request. It never lists while a
-//! call may still be running at the gateway: every call's time is recorded before it leaves, and
-//! the list waits until the last one is older than `--gateway-processing-bound` (503
-//! `payment-unconfirmed` meanwhile). Only when there is none does it start the next generation of
-//! the key — recorded on the ride in a phase of its own before the call, so that a crash anywhere
-//! resumes under that generation — and charge again (or, for a kept refusal, store the 502). The
-//! normal path makes no list call. The full story: `docs/protocol.md`.
+//! The charge is asked for under `rocket-rides:{request uuid}:charge:{generation}` ([`gateway_key`]),
+//! so every resumption asks for the same charge and the gateway answers with the one it made.
+//! When that key can no longer be trusted (past the gateway's window, after a replayed 5xx, an
+//! `idempotency_error`, or a refusal after an attempt of unknown outcome), the charge step
+//! reconciles first (`reconcile.rs`): why, when, and how it never lists while a call may still be
+//! running are told in `docs/rocket-rides.md`, "The window, stored 5xx, and reconciliation".
 //!
 //! # Files
 //!

@@ -19,7 +19,7 @@ use tokio::sync::oneshot;
 /// The lease TTL of the service under test.
 pub const TTL: Duration = Duration::from_secs(30);
 
-/// A ride body as the README shows it.
+/// A ride body, as a client sends it.
 pub const RIDE: &str = r#"{"origin_lat": 37.77, "origin_lon": -122.42, "target_lat": 37.80, "target_lon": -122.27, "amount_cents": 2000}"#;
 
 pub struct TestApp {
