@@ -71,7 +71,7 @@ pub use response::StoredResponse;
 pub use runner::{Completer, Pass, Reaper, Resumed};
 pub use store::{
     Abandoned, Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease, NewRequest,
-    OneStep, OwnedFinalPhase, Phase, RecoveryPoint, Store, DEFAULT_LEASE_TTL,
+    OneStep, OwnedFinalPhase, Phase, RecoveryPoint, Statements, Store, DEFAULT_LEASE_TTL,
 };
 /// The time type of [`ManualClock::new`], [`Clock::now`] and the store's timestamps.
 pub use time::OffsetDateTime;
