@@ -6,7 +6,10 @@
 
 use std::str::FromStr;
 
-use idempotency::Statements;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency::{Clock, Statements, Store};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
@@ -21,6 +24,15 @@ pub(crate) fn store_pool(pool: &PgPool) -> (PgPool, Statements) {
         Some(pooled) => (pooled, Statements::Unnamed),
         None => (pool.clone(), Statements::Prepared),
     }
+}
+
+/// A store over `pool`'s database as [`store_pool`] tells.
+#[allow(dead_code)] // tests/pooler.rs makes its stores itself
+pub(crate) fn store(pool: &PgPool, clock: Arc<dyn Clock>, ttl: Duration) -> Store {
+    let (pool, statements) = store_pool(pool);
+    Store::new(pool, clock, ttl)
+        .unwrap()
+        .with_statements(statements)
 }
 
 /// A pool on `pool`'s database through the pooler, when [`POOLER_URL`] is set.
@@ -39,7 +51,7 @@ pub(crate) fn pooler_pool(pool: &PgPool) -> Option<PgPool> {
             .max_connections(5)
             // As sqlx's test pools: connections left idle close soon, so that the pooler's to
             // the test database do too, before the database is dropped.
-            .idle_timeout(Some(std::time::Duration::from_secs(1)))
+            .idle_timeout(Some(Duration::from_secs(1)))
             .connect_lazy_with(options),
     )
 }
