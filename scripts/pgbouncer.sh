@@ -92,6 +92,10 @@ default_pool_size = 20
 max_client_conn = 500
 ; Tests drop their databases at the end: idle server connections to them must not linger long.
 server_idle_timeout = 2
+; A test's database is dropped at its end and made again, under the same name, by the next run of
+; the test: PgBouncer sees the dropped one fail a login, and by default refuses every client of
+; that name for 15 s after. Here it tries again at once.
+server_login_retry = 0
 logfile = $dir/pgbouncer.log
 pidfile = $dir/pgbouncer.pid
 INI

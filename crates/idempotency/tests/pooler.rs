@@ -21,8 +21,8 @@ const TASKS: usize = 16;
 const REQUESTS_PER_TASK: usize = 40;
 
 /// Runs `TASKS` tasks, each sending `REQUESTS_PER_TASK` requests of its own (claim, a phase
-/// that writes an effect through the phase's connection, the final phase) and then a replay of
-/// each; returns how many of them failed, and the first failure.
+/// that writes an effect through the phase's connection, the final phase, a read of the effect
+/// through [`Store::autocommit`]) and then a replay of each; returns how many of them failed, and the first failure.
 async fn load(store: &Store) -> (usize, Option<String>) {
     let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
     let mut tasks = Vec::new();
@@ -86,6 +86,20 @@ async fn one_request(store: &Store, task: usize, n: usize) -> Result<(), String>
         body: format!("{task}/{n}").into_bytes(),
     };
     phase.finish(&response).await.map_err(|e| e.to_string())?;
+    // The application's own statement outside a phase, as the store sends its own.
+    let mut db = store.autocommit().await.map_err(|e| e.to_string())?;
+    let effects: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE owner = $1 AND n = $2")
+            .bind(task as i64 + 1)
+            .bind(n as i64)
+            .persistent(store.persistent())
+            .fetch_one(db.conn())
+            .await
+            .map_err(|e| e.to_string())?;
+    db.done().await.map_err(|e| e.to_string())?;
+    if effects != 1 {
+        return Err(format!("{task}/{n} has {effects} effects"));
+    }
     match store
         .claim::<OneStep>(req)
         .await

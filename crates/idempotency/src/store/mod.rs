@@ -53,4 +53,4 @@ pub use claim::{Begun, FirstPhase};
 pub use maintenance::{KeyFilter, KeyRecord};
 pub use model::{Claim, Lease, NewRequest, OneStep, RecoveryPoint, Store, DEFAULT_LEASE_TTL};
 pub use phase::{Abandoned, FinalPhase, OwnedFinalPhase, Phase};
-pub use statements::Statements;
+pub use statements::{Autocommit, Statements};

@@ -38,27 +38,33 @@ pub enum Statements {
     Unnamed,
 }
 
-/// A connection for one statement that stands alone: the pool's connection as it is, or, with
-/// [`Statements::Unnamed`], a transaction on it. Dropping it without [`Autocommit::done`] rolls
-/// the transaction back.
-pub(super) enum Autocommit {
+/// A connection for a statement that stands alone ([`Store::autocommit`]): the pool's
+/// connection as it is, or, with [`Statements::Unnamed`], a transaction on it. Dropping it
+/// without [`Autocommit::done`] rolls the transaction back.
+#[derive(Debug)]
+#[must_use = "call done() after the statement: with Statements::Unnamed, dropping it rolls back"]
+pub struct Autocommit(Held);
+
+#[derive(Debug)]
+enum Held {
     Direct(PoolConnection<Postgres>),
     Wrapped(Transaction<'static, Postgres>),
 }
 
 impl Autocommit {
-    pub(super) fn conn(&mut self) -> &mut PgConnection {
-        match self {
-            Self::Direct(conn) => conn,
-            Self::Wrapped(tx) => tx,
+    /// The connection to send the statement on.
+    pub fn conn(&mut self) -> &mut PgConnection {
+        match &mut self.0 {
+            Held::Direct(conn) => conn,
+            Held::Wrapped(tx) => tx,
         }
     }
 
-    /// Commits the transaction around the statement, if there is one.
-    pub(super) async fn done(self) -> Result<(), sqlx::Error> {
-        match self {
-            Self::Direct(_) => Ok(()),
-            Self::Wrapped(tx) => tx.commit().await,
+    /// Commits the transaction around the statements, if there is one.
+    pub async fn done(self) -> Result<(), sqlx::Error> {
+        match self.0 {
+            Held::Direct(_) => Ok(()),
+            Held::Wrapped(tx) => tx.commit().await,
         }
     }
 }
@@ -79,10 +85,10 @@ impl Store {
     /// **The application's statements** are its own: those it sends through
     /// [`crate::Phase::conn`], [`crate::FinalPhase::conn`] and the others are inside the
     /// phase's transaction already, but must be unnamed too: build them with
-    /// `.persistent(store.persistent())`, and wrap any it sends on the pool alone in a
-    /// transaction.
+    /// `.persistent(store.persistent())`, and send any it would send on the pool alone through
+    /// [`Store::autocommit`].
     ///
-    /// **Migrations** ([`crate::migrate`], [`crate::migrate_with`]) need a direct connection
+    /// **Migrations** ([`crate::migrate()`], [`crate::migrate_with`]) need a direct connection
     /// (sqlx's advisory lock is held across transactions, and its migrator prepares named
     /// statements): run them on a pool connected to the database, not through the pooler.
     pub fn with_statements(mut self, statements: Statements) -> Self {
@@ -102,13 +108,17 @@ impl Store {
         self.statements == Statements::Prepared
     }
 
-    /// A connection for one statement that stands alone, in a transaction of its own when the
-    /// statements are [`Statements::Unnamed`]. The default costs no round trip: the pool would
-    /// acquire the connection for the statement anyway.
-    pub(super) async fn autocommit(&self) -> Result<Autocommit, sqlx::Error> {
-        Ok(match self.statements {
-            Statements::Prepared => Autocommit::Direct(self.pool.acquire().await?),
-            Statements::Unnamed => Autocommit::Wrapped(self.pool.begin().await?),
-        })
+    /// A connection of the store's pool for statements that stand alone, in a transaction of
+    /// their own when the statements are [`Statements::Unnamed`]: how the store sends its own,
+    /// and how an application sends those it would send on the pool, so that they are safe
+    /// behind a transaction pooler too. Build them with `.persistent(store.persistent())`, send
+    /// them on [`Autocommit::conn`], then call [`Autocommit::done`]. With the default
+    /// statements this costs no round trip: the pool would acquire the connection for the
+    /// statement anyway.
+    pub async fn autocommit(&self) -> Result<Autocommit, sqlx::Error> {
+        Ok(Autocommit(match self.statements {
+            Statements::Prepared => Held::Direct(self.pool.acquire().await?),
+            Statements::Unnamed => Held::Wrapped(self.pool.begin().await?),
+        }))
     }
 }
