@@ -161,3 +161,70 @@ async fn prepared_statements_fail_through_a_transaction_pooler(pool: PgPool) {
         "the default statements ran cleanly: is the pooler in transaction mode?"
     );
 }
+
+/// How many of `TASKS` tasks' statements, `QUERIES` each, came back with another task's answer
+/// or failed: each task's statement is its own SQL text (`SELECT <task> …`), unnamed, sent on
+/// the pooler's pool alone or inside a transaction.
+async fn foreign_answers(pool: &PgPool, in_transaction: bool) -> (usize, usize) {
+    const QUERIES: usize = 300;
+    let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let (pool, barrier) = (pool.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let (mut foreign, mut failed) = (0, 0);
+            let sql = format!("SELECT {t}::bigint + $1");
+            for _ in 0..QUERIES {
+                let query = sqlx::query_scalar::<_, i64>(&sql)
+                    .bind(0_i64)
+                    .persistent(false);
+                let answer = if in_transaction {
+                    match pool.begin().await {
+                        Ok(mut tx) => match query.fetch_one(&mut *tx).await {
+                            Ok(v) => tx.commit().await.map(|()| v),
+                            Err(e) => Err(e),
+                        },
+                        Err(e) => Err(e),
+                    }
+                } else {
+                    query.fetch_one(&pool).await
+                };
+                match answer {
+                    Ok(v) if v == t as i64 => {}
+                    Ok(_) => foreign += 1,
+                    Err(_) => failed += 1,
+                }
+            }
+            (foreign, failed)
+        }));
+    }
+    let (mut foreign, mut failed) = (0, 0);
+    for task in tasks {
+        let (f, e) = task.await.unwrap();
+        foreign += f;
+        failed += e;
+    }
+    (foreign, failed)
+}
+
+/// Why [`Statements::Unnamed`] puts every statement in a transaction: an unnamed statement sent
+/// alone through the pooler can run on a server connection where another client's unnamed
+/// statement was just parsed, and answer with that client's SQL; inside a transaction, never.
+#[sqlx::test(migrations = false)]
+async fn an_unnamed_statement_alone_can_run_another_clients_sql_through_a_transaction_pooler(
+    pool: PgPool,
+) {
+    let Some(pooled) = pooled::pooler_pool(&pool) else {
+        eprintln!("{} is not set: no pooler to test", pooled::POOLER_URL);
+        return;
+    };
+    let (foreign, failed) = foreign_answers(&pooled, true).await;
+    assert_eq!((foreign, failed), (0, 0), "inside transactions");
+    let (foreign, failed) = foreign_answers(&pooled, false).await;
+    eprintln!("unnamed statements alone through the pooler: {foreign} answered another client's SQL, {failed} failed");
+    assert!(
+        foreign > 0,
+        "no unnamed statement alone answered another client's SQL: is the pooler in transaction mode?"
+    );
+}
