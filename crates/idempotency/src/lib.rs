@@ -71,8 +71,9 @@ pub use owner::{Owner, OwnerError, MAX_OWNER_LEN};
 pub use response::StoredResponse;
 pub use runner::{Completer, Pass, Reaper, Resumed};
 pub use store::{
-    Abandoned, Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease, NewRequest,
-    OneStep, OwnedFinalPhase, Phase, RecoveryPoint, Store, DEFAULT_LEASE_TTL,
+    Abandoned, Autocommit, Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease,
+    NewRequest, OneStep, OwnedFinalPhase, Phase, RecoveryPoint, Statements, Store,
+    DEFAULT_LEASE_TTL,
 };
 /// The time type of [`ManualClock::new`], [`Clock::now`] and the store's timestamps.
 pub use time::OffsetDateTime;

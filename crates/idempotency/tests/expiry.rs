@@ -12,6 +12,8 @@ use idempotency::{
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
+mod pooled;
+
 const TTL: Duration = Duration::from_secs(30);
 const RETENTION: Duration = Duration::from_secs(24 * 3600);
 const HOUR: Duration = Duration::from_secs(3600);
@@ -25,8 +27,7 @@ fn clock() -> ManualClock {
 async fn setup(pool: &PgPool) -> (Store, ManualClock) {
     idempotency::migrate(pool).await.unwrap();
     let clock = clock();
-    let store = Store::new(pool.clone(), Arc::new(clock.clone()), TTL)
-        .unwrap()
+    let store = pooled::store(pool, Arc::new(clock.clone()), TTL)
         .with_retention(RETENTION)
         .unwrap();
     (store, clock)
@@ -233,7 +234,7 @@ async fn an_unfinished_key_never_expires_at_read(pool: PgPool) {
 async fn without_a_retention_a_finished_key_replays_for_good(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let clock = clock();
-    let store = Store::new(pool.clone(), Arc::new(clock.clone()), TTL).unwrap();
+    let store = pooled::store(&pool, Arc::new(clock.clone()), TTL);
     assert_eq!(store.retention(), None);
     let (k, body) = (key("k1"), json!({"a": 1}));
     finished_key(&store, 1, "k1", &body).await;
@@ -628,6 +629,7 @@ async fn an_expired_key_still_referenced_under_restrict_is_refused_and_kept(pool
     sqlx::query("INSERT INTO receipts (owner, key_id) VALUES ($1, $2)")
         .bind("1")
         .bind(old)
+        .persistent(false)
         .execute(phase.conn())
         .await
         .unwrap();
@@ -718,6 +720,7 @@ async fn an_expired_key_referenced_under_set_null_expires_and_its_rows_stay(pool
     sqlx::query("INSERT INTO rides (owner, key_id) VALUES ($1, $2)")
         .bind("1")
         .bind(phase.key_id())
+        .persistent(false)
         .execute(phase.conn())
         .await
         .unwrap();

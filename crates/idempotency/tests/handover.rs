@@ -11,6 +11,8 @@ use idempotency::{
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
+mod pooled;
+
 async fn store(pool: &PgPool) -> Store {
     idempotency::migrate(pool).await.unwrap();
     sqlx::query(
@@ -19,12 +21,7 @@ async fn store(pool: &PgPool) -> Store {
     .execute(pool)
     .await
     .unwrap();
-    Store::new(
-        pool.clone(),
-        Arc::new(DatabaseClock),
-        Duration::from_secs(30),
-    )
-    .unwrap()
+    pooled::store(pool, Arc::new(DatabaseClock), Duration::from_secs(30))
 }
 
 /// A string owner, as a tenant's name or an account id would be.
@@ -74,6 +71,7 @@ async fn an_owned_final_phase_commits_its_writes_with_the_answer_from_another_ta
     let phase = tokio::spawn(async move {
         sqlx::query("INSERT INTO deposits VALUES ($1, 500)")
             .bind(key_id)
+            .persistent(false)
             .execute(&mut *phase.conn())
             .await
             .unwrap();
@@ -100,6 +98,7 @@ async fn a_rolled_back_final_phase_leaves_no_write_and_its_lease_can_be_released
     let key_id = phase.lease().key_id();
     sqlx::query("INSERT INTO deposits VALUES ($1, 500)")
         .bind(key_id)
+        .persistent(false)
         .execute(&mut *phase.conn())
         .await
         .unwrap();
@@ -118,6 +117,7 @@ async fn a_dropped_final_phase_rolls_back_as_a_crash_would(pool: PgPool) {
     let key_id = phase.lease().key_id();
     sqlx::query("INSERT INTO deposits VALUES ($1, 500)")
         .bind(key_id)
+        .persistent(false)
         .execute(&mut *phase.conn())
         .await
         .unwrap();

@@ -10,6 +10,8 @@ use idempotency::{
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
+mod pooled;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Point {
     Started,
@@ -46,7 +48,10 @@ async fn setup(pool: &PgPool) -> (Store, ManualClock) {
         .await
         .unwrap();
     let clock = ManualClock::starting_now();
-    let store = Store::new(pool.clone(), Arc::new(clock.clone()), TTL).unwrap();
+    let (store_pool, statements) = pooled::store_pool(pool);
+    let store = Store::new(store_pool, Arc::new(clock.clone()), TTL)
+        .unwrap()
+        .with_statements(statements);
     (store, clock)
 }
 
@@ -291,6 +296,7 @@ async fn a_stale_holder_is_fenced_out_and_its_phase_writes_nothing(pool: PgPool)
     let mut phase = store.phase(&mut current, Point::Halfway).await.unwrap();
     sqlx::query("INSERT INTO effects VALUES ($1, 'current')")
         .bind(phase.key_id())
+        .persistent(store.persistent())
         .execute(phase.conn())
         .await
         .unwrap();
@@ -312,6 +318,7 @@ async fn a_phase_that_is_not_committed_leaves_neither_rows_nor_progress(pool: Pg
         let mut phase = store.phase(&mut lease, Point::Halfway).await.unwrap();
         sqlx::query("INSERT INTO effects VALUES ($1, 'dropped')")
             .bind(phase.key_id())
+            .persistent(store.persistent())
             .execute(phase.conn())
             .await
             .unwrap();
@@ -690,6 +697,7 @@ async fn begin_inserts_a_new_key_at_the_first_point_with_the_phase_rows(pool: Pg
     );
     sqlx::query("INSERT INTO effects VALUES ($1, 'first')")
         .bind(first.lease().key_id())
+        .persistent(store.persistent())
         .execute(first.conn())
         .await
         .unwrap();
@@ -755,6 +763,7 @@ async fn a_first_phase_dropped_uncommitted_leaves_no_key(pool: PgPool) {
         );
         sqlx::query("INSERT INTO effects VALUES ($1, 'dropped')")
             .bind(first.lease().key_id())
+            .persistent(store.persistent())
             .execute(first.conn())
             .await
             .unwrap();
@@ -817,6 +826,7 @@ async fn concurrent_begins_of_one_new_key_insert_it_once(pool: PgPool) {
                 Begun::New(mut first) => {
                     sqlx::query("INSERT INTO effects VALUES ($1, 'once')")
                         .bind(first.lease().key_id())
+                        .persistent(store.persistent())
                         .execute(first.conn())
                         .await
                         .unwrap();
@@ -850,6 +860,7 @@ async fn begin_optimistic_runs_a_request_in_one_transaction(pool: PgPool) {
     );
     sqlx::query("INSERT INTO effects VALUES ($1, 'one transaction')")
         .bind(first.lease().key_id())
+        .persistent(store.persistent())
         .execute(first.conn())
         .await
         .unwrap();

@@ -118,15 +118,13 @@ impl Store {
         req: NewRequest<'_>,
     ) -> Result<Claim<P>, Error> {
         for _ in 0..CLAIM_ROUNDS {
-            match self.lookup(&req, &self.pool).await? {
+            match self.lookup_alone(&req).await? {
                 Found::Refused(refusal) => return Ok(refusal),
-                Found::Claimable => {
-                    match self.take_over(&req, &self.pool, self.lease_clock()).await? {
-                        Taken::Lease(lease) => return Ok(Claim::Acquired(lease)),
-                        Taken::Locked => return Ok(in_flight_uncommitted()),
-                        Taken::NotClaimable => {}
-                    }
-                }
+                Found::Claimable => match self.take_over_alone(&req).await? {
+                    Taken::Lease(lease) => return Ok(Claim::Acquired(lease)),
+                    Taken::Locked => return Ok(in_flight_uncommitted()),
+                    Taken::NotClaimable => {}
+                },
                 Found::Expired(expired) => {
                     // Before BEGIN: the insert's `now()` is the transaction's start.
                     let asked_at = self.lease_clock();
@@ -147,17 +145,21 @@ impl Store {
                     }
                 }
                 Found::Absent => {
-                    let mut conn = self
-                        .pool
-                        .acquire()
+                    // Before BEGIN, if there is one: the insert's `now()` is then the
+                    // transaction's start.
+                    let asked_at = self.lease_clock();
+                    let mut db = self
+                        .autocommit()
                         .await
                         .map_err(Error::db(claim_context(&req)))?;
-                    let asked_at = self.lease_clock();
                     match self
-                        .insert(&req, P::STARTED, true, &mut conn, asked_at)
+                        .insert(&req, P::STARTED, true, db.conn(), asked_at)
                         .await?
                     {
-                        Inserted::Row(lease) => return Ok(Claim::Acquired(lease)),
+                        Inserted::Row(lease) => {
+                            db.confirmed(claim_context(&req)).await?;
+                            return Ok(Claim::Acquired(lease));
+                        }
                         Inserted::Conflict => {}
                         Inserted::Locked => return Ok(in_flight_uncommitted()),
                     }
@@ -205,15 +207,13 @@ impl Store {
     ) -> Result<Begun<P>, Error> {
         check_first(first)?;
         for _ in 0..CLAIM_ROUNDS {
-            match self.lookup(&req, &self.pool).await? {
+            match self.lookup_alone(&req).await? {
                 Found::Refused(refusal) => return Ok(Begun::Existing(refusal)),
-                Found::Claimable => {
-                    match self.take_over(&req, &self.pool, self.lease_clock()).await? {
-                        Taken::Lease(lease) => return Ok(Begun::Existing(Claim::Acquired(lease))),
-                        Taken::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
-                        Taken::NotClaimable => {}
-                    }
-                }
+                Found::Claimable => match self.take_over_alone(&req).await? {
+                    Taken::Lease(lease) => return Ok(Begun::Existing(Claim::Acquired(lease))),
+                    Taken::Locked => return Ok(Begun::Existing(in_flight_uncommitted())),
+                    Taken::NotClaimable => {}
+                },
                 Found::Expired(expired) => {
                     let asked_at = self.lease_clock();
                     let mut tx = self.begin_tx(&req).await?;
@@ -341,7 +341,7 @@ impl Store {
     /// (a finish, the reaper, a claim that expires it). One plain read tells a replay or a
     /// mismatch from a key in flight.
     async fn locked_out<P: RecoveryPoint>(&self, req: &NewRequest<'_>) -> Result<Claim<P>, Error> {
-        Ok(match self.lookup(req, &self.pool).await? {
+        Ok(match self.lookup_alone(req).await? {
             Found::Refused(refusal @ (Claim::Replay(_) | Claim::Mismatch)) => refusal,
             _ => in_flight_uncommitted(),
         })
@@ -355,6 +355,40 @@ impl Store {
             .begin()
             .await
             .map_err(Error::db(claim_context(req)))
+    }
+
+    /// [`Store::lookup`] as a statement of its own.
+    async fn lookup_alone<P: RecoveryPoint>(
+        &self,
+        req: &NewRequest<'_>,
+    ) -> Result<Found<P>, Error> {
+        let mut db = self
+            .autocommit()
+            .await
+            .map_err(Error::db(claim_context(req)))?;
+        let found = self.lookup(req, db.conn()).await?;
+        db.done().await.map_err(Error::db(claim_context(req)))?;
+        Ok(found)
+    }
+
+    /// [`Store::take_over`] as a statement of its own; its lease runs from before its `BEGIN`,
+    /// if it has one.
+    async fn take_over_alone<P: RecoveryPoint>(
+        &self,
+        req: &NewRequest<'_>,
+    ) -> Result<Taken<P>, Error> {
+        let asked_at = self.lease_clock();
+        let mut db = self
+            .autocommit()
+            .await
+            .map_err(Error::db(claim_context(req)))?;
+        let taken = self.take_over(req, db.conn(), asked_at).await?;
+        if matches!(taken, Taken::Lease(_)) {
+            db.confirmed(claim_context(req)).await?;
+        } else {
+            db.done().await.map_err(Error::db(claim_context(req)))?;
+        }
+        Ok(taken)
     }
 
     /// Reads the key's row, without locks, and tells what a claim may do with it.
@@ -385,6 +419,7 @@ impl Store {
         .bind(req.key.as_str())
         .bind(self.now())
         .bind(self.retention_millis())
+        .persistent(self.persistent())
         .fetch_optional(db)
         .await
         .map_err(Error::db(format!(
@@ -441,6 +476,7 @@ impl Store {
         .bind(req.fingerprint.as_bytes().as_slice())
         .bind(self.now())
         .bind(self.ttl_millis())
+        .persistent(self.persistent())
         .fetch_optional(db);
         // Outside a transaction the statement commits by itself: a takeover whose commit the
         // standby may not have is not a lease to act on.
@@ -498,6 +534,7 @@ impl Store {
         .bind(self.now())
         .bind(self.ttl_millis())
         .bind(track)
+        .persistent(self.persistent())
         .fetch_optional(&mut *conn);
         // Outside a transaction (a claim) the insert commits by itself: a key whose commit the
         // standby may not have must not name a foreign request (its UUID) yet. Inside one, the
@@ -558,6 +595,7 @@ impl Store {
         .bind(expired.finished_at)
         .bind(self.now())
         .bind(self.retention_millis())
+        .persistent(self.persistent())
         .execute(&mut *conn)
         .await;
         match deleted {
@@ -680,6 +718,7 @@ pub struct FirstPhase<P: RecoveryPoint> {
     lease: Lease<P>,
     tracked: bool,
     now: Option<OffsetDateTime>,
+    persistent: bool,
     opened: Instant,
     observer: Observed,
 }
@@ -696,6 +735,7 @@ impl<P: RecoveryPoint> FirstPhase<P> {
             lease,
             tracked,
             now: store.now(),
+            persistent: store.persistent(),
             opened: Instant::now(),
             observer: store.observer.clone(),
         }
@@ -728,6 +768,7 @@ impl<P: RecoveryPoint> FirstPhase<P> {
             )
             .bind(self.lease.owner.as_str())
             .bind(key_id)
+            .persistent(self.persistent)
             .execute(&mut *self.tx)
             .await
             .map_err(Error::db(context()))?;
@@ -741,7 +782,14 @@ impl<P: RecoveryPoint> FirstPhase<P> {
     /// Stores `response`, marks the key finished and commits: a request done in one
     /// transaction, claim included.
     pub async fn finish(mut self, response: &StoredResponse) -> Result<(), Error> {
-        finish_key(&mut self.tx, &self.lease, response, self.now).await?;
+        finish_key(
+            &mut self.tx,
+            &self.lease,
+            response,
+            self.now,
+            self.persistent,
+        )
+        .await?;
         let key_id = self.lease.key_id;
         super::commit(self.tx, format!("finish key {key_id}")).await?;
         self.observer

@@ -42,6 +42,7 @@ impl Store {
         let context = || format!("claim abandoned keys of {method} {route}");
         let now = self.now();
         let grace = grace.as_millis().min(i64::MAX as u128) as i64;
+        let mut db = self.autocommit().await.map_err(Error::db(context()))?;
         let candidates: Vec<(String, i64)> = sqlx::query_as(
             r#"
             -- all users: a read of candidates, without locks; each is claimed below by user.
@@ -68,16 +69,20 @@ impl Store {
         .bind(limit.clamp(1, 10_000) * CANDIDATES_PER_CLAIM)
         .bind(method)
         .bind(route)
-        .fetch_all(&self.pool)
+        .persistent(self.persistent())
+        .fetch_all(db.conn())
         .await
         .map_err(Error::db(context()))?;
+        db.done().await.map_err(Error::db(context()))?;
         let limit = usize::try_from(limit.clamp(1, 10_000)).unwrap_or(1);
         let mut leases = Vec::with_capacity(limit);
         for (owner, key_id) in candidates {
             if leases.len() == limit {
                 break;
             }
+            // Before BEGIN, if there is one: the update's `now()` is then the transaction's start.
             let asked_at = self.lease_clock();
+            let mut db = self.autocommit().await.map_err(Error::db(context()))?;
             let row = sqlx::query(
                 r#"
                 WITH abandoned AS (
@@ -107,9 +112,11 @@ impl Store {
             .bind(self.ttl_millis())
             .bind(&owner)
             .bind(key_id)
-            .fetch_optional(&self.pool)
+            .persistent(self.persistent())
+            .fetch_optional(db.conn())
             .await
             .map_err(Error::db(context()))?;
+            db.done().await.map_err(Error::db(context()))?;
             if let Some(row) = row {
                 leases.push(lease_from_row(&row, Owner::stored(owner), asked_at));
             }
@@ -125,6 +132,8 @@ impl Store {
         backoff: Duration,
     ) -> Result<(), Error> {
         crate::lease::writing(&lease, "release");
+        let context = || format!("release lease of key {} with backoff", lease.key_id);
+        let mut db = self.autocommit().await.map_err(Error::db(context()))?;
         let released = sqlx::query(
             r#"
             UPDATE idempotency_keys
@@ -138,12 +147,11 @@ impl Store {
         .bind(lease.token)
         .bind(self.now())
         .bind(backoff.as_millis().min(i64::MAX as u128) as i64)
-        .execute(&self.pool)
+        .persistent(self.persistent())
+        .execute(db.conn())
         .await
-        .map_err(Error::db(format!(
-            "release lease of key {} with backoff",
-            lease.key_id
-        )))?;
+        .map_err(Error::db(context()))?;
+        db.done().await.map_err(Error::db(context()))?;
         if released.rows_affected() == 0 {
             return Err(Error::LeaseLost {
                 key_id: lease.key_id,
@@ -183,6 +191,8 @@ impl Store {
     pub async fn reap_finished(&self, retention: Duration, limit: i64) -> Result<u64, Error> {
         let now = self.now();
         let retention = retention.as_millis().min(i64::MAX as u128) as i64;
+        let context = "find finished keys to reap";
+        let mut db = self.autocommit().await.map_err(Error::db(context))?;
         let candidates: Vec<(String, i64)> = sqlx::query_as(
             r#"
             -- all users: a read of candidates, without locks; each user's are deleted below.
@@ -198,9 +208,11 @@ impl Store {
         .bind(now)
         .bind(retention)
         .bind(limit.clamp(1, 100_000))
-        .fetch_all(&self.pool)
+        .persistent(self.persistent())
+        .fetch_all(db.conn())
         .await
-        .map_err(Error::db("find finished keys to reap"))?;
+        .map_err(Error::db(context))?;
+        db.done().await.map_err(Error::db(context))?;
         let mut by_owner: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
         for (owner, key_id) in candidates {
             by_owner.entry(owner).or_default().push(key_id);
@@ -247,6 +259,7 @@ impl Store {
         now: Option<OffsetDateTime>,
         retention: i64,
     ) -> Result<u64, sqlx::Error> {
+        let mut db = self.autocommit().await?;
         let deleted = sqlx::query(
             r#"
             DELETE FROM idempotency_keys
@@ -259,33 +272,44 @@ impl Store {
         .bind(key_ids)
         .bind(now)
         .bind(retention)
-        .execute(&self.pool)
+        .persistent(self.persistent())
+        .execute(db.conn())
         .await?;
+        db.done().await?;
         Ok(deleted.rows_affected())
     }
 
     /// How many keys are unfinished, across every user: the gauge an operator alerts on.
     pub async fn count_unfinished(&self) -> Result<i64, Error> {
-        sqlx::query_scalar(
+        let context = "count unfinished keys";
+        let mut db = self.autocommit().await.map_err(Error::db(context))?;
+        let count = sqlx::query_scalar(
             "-- all users: an operator's gauge.
              SELECT count(*) FROM idempotency_keys_unfinished",
         )
-        .fetch_one(&self.pool)
+        .persistent(self.persistent())
+        .fetch_one(db.conn())
         .await
-        .map_err(Error::db("count unfinished keys"))
+        .map_err(Error::db(context))?;
+        db.done().await.map_err(Error::db(context))?;
+        Ok(count)
     }
 
     /// Reads one key by id, for an operator's inspection (`keys show`) and tests. Unlike the
     /// request path, this look-up crosses users.
     pub async fn find(&self, key_id: i64) -> Result<Option<KeyRecord>, Error> {
+        let context = || format!("read key {key_id}");
+        let mut db = self.autocommit().await.map_err(Error::db(context()))?;
         let row = sqlx::query(&format!(
             "-- all users: an operator's look-up by id.
              SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys WHERE id = $1"
         ))
         .bind(key_id)
-        .fetch_optional(&self.pool)
+        .persistent(self.persistent())
+        .fetch_optional(db.conn())
         .await
-        .map_err(Error::db(format!("read key {key_id}")))?;
+        .map_err(Error::db(context()))?;
+        db.done().await.map_err(Error::db(context()))?;
         row.map(|row| KeyRecord::from_row(&row)).transpose()
     }
 
@@ -302,15 +326,18 @@ impl Store {
             ),
             KeyFilter::FinishedWith(status) => ("WHERE response_status = $2", Some(status)),
         };
+        let mut db = self.autocommit().await.map_err(Error::db("list keys"))?;
         let rows = sqlx::query(&format!(
             "-- all users: an operator's listing.
              SELECT {KEY_RECORD_COLUMNS} FROM idempotency_keys {clause} ORDER BY id DESC LIMIT $1"
         ))
         .bind(limit.clamp(1, 10_000))
         .bind(status.map(|s| s as i16))
-        .fetch_all(&self.pool)
+        .persistent(self.persistent())
+        .fetch_all(db.conn())
         .await
         .map_err(Error::db("list keys"))?;
+        db.done().await.map_err(Error::db("list keys"))?;
         rows.iter().map(KeyRecord::from_row).collect()
     }
 }

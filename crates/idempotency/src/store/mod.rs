@@ -6,6 +6,7 @@
 //! | `claim.rs` | the claim: the read, the insert or the takeover; merged with the first phase |
 //! | `phase.rs` | phases and the final phase (fenced), lease renewal, release, abandon |
 //! | `maintenance.rs` | the completer's claim and backoff, the reaper, inspection (`find`, `list`) |
+//! | `statements.rs` | prepared statements, or unnamed ones in explicit transactions behind a transaction pooler |
 //!
 //! # Statements and why they are shaped so
 //!
@@ -49,6 +50,7 @@ mod claim;
 mod maintenance;
 mod model;
 mod phase;
+mod statements;
 
 use sqlx::{Postgres, Transaction};
 
@@ -79,3 +81,4 @@ pub use claim::{Begun, FirstPhase};
 pub use maintenance::{KeyFilter, KeyRecord};
 pub use model::{Claim, Lease, NewRequest, OneStep, RecoveryPoint, Store, DEFAULT_LEASE_TTL};
 pub use phase::{Abandoned, FinalPhase, OwnedFinalPhase, Phase};
+pub use statements::{Autocommit, Statements};

@@ -200,6 +200,8 @@ pub struct Store {
     pub(crate) observer: Observed,
     /// How long a finished key answers for its request; `None`: for as long as its row exists.
     pub(super) retention: Option<Duration>,
+    /// Prepared and cached, or unnamed in explicit transactions ([`Store::with_statements`]).
+    pub(super) statements: super::Statements,
 }
 
 impl std::fmt::Debug for Store {
@@ -208,6 +210,7 @@ impl std::fmt::Debug for Store {
             .field("lease_ttl", &self.lease_ttl)
             .field("heartbeat", &self.heartbeat)
             .field("retention", &self.retention)
+            .field("statements", &self.statements)
             .finish_non_exhaustive()
     }
 }
@@ -243,6 +246,7 @@ impl Store {
             heartbeat: lease_ttl / 3,
             observer: Observed::none(),
             retention: None,
+            statements: super::Statements::Prepared,
         })
     }
 

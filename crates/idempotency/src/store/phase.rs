@@ -78,6 +78,7 @@ impl Store {
         .bind(lease.key_id)
         .bind(lease.owner.as_str())
         .bind(lease.token)
+        .persistent(self.persistent())
         .fetch_optional(&mut *tx)
         .await
         .map_err(Error::db(context()))?;
@@ -91,6 +92,7 @@ impl Store {
             tx,
             lease,
             now: self.now(),
+            persistent: self.persistent(),
             opened,
             observer: self.observer.clone(),
         })
@@ -111,6 +113,7 @@ impl Store {
                 let FinalPhase {
                     tx,
                     now,
+                    persistent,
                     opened,
                     observer,
                     ..
@@ -119,6 +122,7 @@ impl Store {
                     tx,
                     lease,
                     now,
+                    persistent,
                     opened,
                     observer,
                 })
@@ -152,6 +156,7 @@ impl Store {
         .bind(point)
         .bind(self.now())
         .bind(self.ttl_millis())
+        .persistent(self.persistent())
         .fetch_optional(&mut *tx)
         .await
         .map_err(Error::db(context()))?;
@@ -167,7 +172,10 @@ impl Store {
 
     /// Extends a held lease by one TTL from now (a heartbeat during a long foreign call).
     pub async fn renew<P: RecoveryPoint>(&self, lease: &mut Lease<P>) -> Result<(), Error> {
+        let context = || format!("renew lease of key {}", lease.key_id);
+        // Before BEGIN, if there is one: the update's `now()` is then the transaction's start.
         let asked_at = self.lease_clock();
+        let mut db = self.autocommit().await.map_err(Error::db(context()))?;
         let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(
             r#"
             UPDATE idempotency_keys
@@ -181,9 +189,11 @@ impl Store {
         .bind(lease.token)
         .bind(self.now())
         .bind(self.ttl_millis())
-        .fetch_optional(&self.pool)
+        .persistent(self.persistent())
+        .fetch_optional(db.conn())
         .await
-        .map_err(Error::db(format!("renew lease of key {}", lease.key_id)))?;
+        .map_err(Error::db(context()))?;
+        db.done().await.map_err(Error::db(context()))?;
         match locked_until {
             Some(until) => {
                 lease.locked_until = until;
@@ -210,6 +220,8 @@ impl Store {
     /// or the completer can resume at once instead of waiting for the lease to expire.
     pub async fn release<P: RecoveryPoint>(&self, lease: Lease<P>) -> Result<(), Error> {
         writing(&lease, "release");
+        let context = || format!("release lease of key {}", lease.key_id);
+        let mut db = self.autocommit().await.map_err(Error::db(context()))?;
         let released = sqlx::query(
             r#"
             UPDATE idempotency_keys
@@ -220,9 +232,11 @@ impl Store {
         .bind(lease.key_id)
         .bind(lease.owner.as_str())
         .bind(lease.token)
-        .execute(&self.pool)
+        .persistent(self.persistent())
+        .execute(db.conn())
         .await
-        .map_err(Error::db(format!("release lease of key {}", lease.key_id)))?;
+        .map_err(Error::db(context()))?;
+        db.done().await.map_err(Error::db(context()))?;
         if released.rows_affected() == 0 {
             return Err(Error::LeaseLost {
                 key_id: lease.key_id,
@@ -266,6 +280,8 @@ impl Store {
 
     /// The fenced delete of an unfinished key and its row of `idempotency_keys_unfinished`.
     async fn delete_unfinished<P: RecoveryPoint>(&self, lease: &Lease<P>) -> Result<(), Error> {
+        let context = || format!("abandon key {}", lease.key_id);
+        let mut db = self.autocommit().await.map_err(Error::db(context()))?;
         let deleted = sqlx::query(
             r#"
             WITH deleted AS (
@@ -282,9 +298,12 @@ impl Store {
         .bind(lease.key_id)
         .bind(lease.owner.as_str())
         .bind(lease.token)
-        .fetch_one(&self.pool)
+        .persistent(self.persistent())
+        .fetch_one(db.conn())
         .await
-        .map_err(Error::db(format!("abandon key {}", lease.key_id)))?;
+        .map_err(Error::db(context()))?;
+        // A foreign key that refuses the delete fails here too when it is deferred.
+        db.done().await.map_err(Error::db(context()))?;
         if deleted.get::<i64, _>(0) == 0 {
             return Err(Error::LeaseLost {
                 key_id: lease.key_id,
@@ -342,6 +361,7 @@ pub struct FinalPhase<'l, P: RecoveryPoint> {
     tx: Transaction<'static, Postgres>,
     lease: &'l mut Lease<P>,
     now: Option<OffsetDateTime>,
+    persistent: bool,
     opened: Instant,
     observer: Observed,
 }
@@ -359,7 +379,14 @@ impl<P: RecoveryPoint> FinalPhase<'_, P> {
 
     /// Stores `response`, marks the key finished, releases the lease and commits.
     pub async fn finish(mut self, response: &StoredResponse) -> Result<(), Error> {
-        finish_key(&mut self.tx, self.lease, response, self.now).await?;
+        finish_key(
+            &mut self.tx,
+            self.lease,
+            response,
+            self.now,
+            self.persistent,
+        )
+        .await?;
         let key_id = self.lease.key_id;
         super::commit(self.tx, format!("finish key {key_id}")).await?;
         self.lease.recovery_point = P::FINISHED;
@@ -378,6 +405,7 @@ pub struct OwnedFinalPhase<P: RecoveryPoint> {
     tx: Transaction<'static, Postgres>,
     lease: Lease<P>,
     now: Option<OffsetDateTime>,
+    persistent: bool,
     opened: Instant,
     observer: Observed,
 }
@@ -400,7 +428,15 @@ impl<P: RecoveryPoint> OwnedFinalPhase<P> {
     /// commit whose answer was lost, everything was, and the key is finished), so release it
     /// for the retry; a release of a key that did finish is refused as [`Error::LeaseLost`].
     pub async fn finish(mut self, response: &StoredResponse) -> Result<(), (Error, Lease<P>)> {
-        if let Err(e) = finish_key(&mut self.tx, &self.lease, response, self.now).await {
+        if let Err(e) = finish_key(
+            &mut self.tx,
+            &self.lease,
+            response,
+            self.now,
+            self.persistent,
+        )
+        .await
+        {
             return Err((e, self.roll_back().await));
         }
         let Self {
@@ -449,6 +485,7 @@ pub(super) async fn finish_key<P: RecoveryPoint>(
     lease: &Lease<P>,
     response: &StoredResponse,
     now: Option<OffsetDateTime>,
+    persistent: bool,
 ) -> Result<(), Error> {
     let key_id = lease.key_id;
     let finished: i64 = sqlx::query_scalar(
@@ -478,6 +515,7 @@ pub(super) async fn finish_key<P: RecoveryPoint>(
     .bind(Json(&response.headers))
     .bind(&response.body)
     .bind(now)
+    .persistent(persistent)
     .fetch_one(conn)
     .await
     .map_err(Error::db(format!("finish key {key_id}")))?;
