@@ -23,7 +23,9 @@
 //! - `list-while-in-flight`: a reconciling list is made at once, though the last call under the
 //!   current gateway key may still be running at the gateway;
 //! - `unknown-answer-is-refusal`: a 4xx answer without the gateway's error object (an
-//!   intermediary's page, no body) is taken for the gateway's refusal.
+//!   intermediary's page, no body) is taken for the gateway's refusal;
+//! - `no-commit-watch`: the process runs without the library's commit watch, so that a commit
+//!   whose wait for the synchronous standby was cancelled is taken for a success.
 
 /// After the phase that claims the key and creates the ride has committed.
 pub const AFTER_RIDE_CREATED: &str = "after_ride_created";
@@ -64,6 +66,8 @@ pub const SABOTAGE_SPLIT_FIRST_PHASE: &str = "split-first-phase";
 pub const SABOTAGE_LIST_WHILE_IN_FLIGHT: &str = "list-while-in-flight";
 /// The sabotage that takes an answer without the gateway's error object for a refusal.
 pub const SABOTAGE_UNKNOWN_ANSWER_IS_REFUSAL: &str = "unknown-answer-is-refusal";
+/// The sabotage that runs the process without the commit watch.
+pub const SABOTAGE_NO_COMMIT_WATCH: &str = "no-commit-watch";
 
 /// The exit code of a process that crashed at `point` (81 and up, in the order of [`ALL`]).
 pub fn exit_code(point: &str) -> Option<i32> {
@@ -102,6 +106,7 @@ mod armed {
         split_first_phase: bool,
         list_while_in_flight: bool,
         unknown_answer_is_refusal: bool,
+        no_commit_watch: bool,
     }
 
     impl Default for Failpoints {
@@ -116,6 +121,7 @@ mod armed {
                 split_first_phase: false,
                 list_while_in_flight: false,
                 unknown_answer_is_refusal: false,
+                no_commit_watch: false,
             }
         }
     }
@@ -147,6 +153,7 @@ mod armed {
                         SABOTAGE_UNKNOWN_ANSWER_IS_REFUSAL => {
                             points.unknown_answer_is_refusal = true
                         }
+                        SABOTAGE_NO_COMMIT_WATCH => points.no_commit_watch = true,
                         other => return Err(format!("{SABOTAGE_ENV}: unknown sabotage {other:?}")),
                     }
                 }
@@ -212,6 +219,11 @@ mod armed {
         /// control's bug).
         pub fn unknown_answer_is_refusal(&self) -> bool {
             self.unknown_answer_is_refusal
+        }
+
+        /// Whether the process runs without the commit watch.
+        pub fn no_commit_watch(&self) -> bool {
+            self.no_commit_watch
         }
     }
 
@@ -315,6 +327,11 @@ mod disarmed {
 
         /// Never sabotaged.
         pub fn unknown_answer_is_refusal(&self) -> bool {
+            false
+        }
+
+        /// Never sabotaged.
+        pub fn no_commit_watch(&self) -> bool {
             false
         }
     }

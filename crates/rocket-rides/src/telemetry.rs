@@ -39,8 +39,13 @@ pub fn init(format: LogFormat) {
             .with_span_list(false)
             .boxed(),
     };
+    // The chaos harness's negative control runs a process without it (`no-commit-watch`).
+    let sabotaged = crate::failpoints::Failpoints::from_env().is_ok_and(|f| f.no_commit_watch());
     tracing_subscriber::registry()
         .with(log.with_filter(filter))
-        .with(idempotency::commit_watch::layer())
+        .with((!sabotaged).then(idempotency::commit_watch::layer))
         .init();
+    if sabotaged {
+        tracing::warn!("sabotaged: no commit watch");
+    }
 }
