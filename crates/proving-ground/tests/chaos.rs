@@ -94,6 +94,25 @@ fn a_failover_without_synchronous_replication_loses_acknowledged_rides() {
 }
 
 #[test]
+fn a_failover_after_cancelled_waits_for_the_standby_loses_rides_acknowledged_without_the_watch() {
+    let report = failed_control(
+        "commit-watch",
+        150,
+        &["--failover", "--without", "commit-watch"],
+    );
+    assert_eq!(report["faults"]["pg_failover"], 1, "{}", report["faults"]);
+    assert!(
+        report["faults"]["pg_cancel_sync_wait"].as_u64().unwrap() > 0,
+        "{}",
+        report["faults"]
+    );
+    // Commits whose wait for the standby was cancelled reported success: the 201s told on
+    // them name rides the promoted standby never received.
+    let acknowledged = invariant(&report, "acknowledged_201_is_paid");
+    assert_eq!(acknowledged["passed"], false, "{acknowledged}");
+}
+
+#[test]
 fn taking_an_unknown_outcome_for_a_decline_leaves_charged_cards_told_declined() {
     let report = failed_control("unknown", 150, &["--without", "unknown-outcome"]);
     assert_eq!(report["sabotage"][0], "unknown-outcome");

@@ -37,6 +37,10 @@ pub enum Sabotage {
     /// body, status 4xx) for the gateway's refusal: the request stores a 502 "nothing charged",
     /// though the charge behind the intermediary may have been made.
     UnknownAnswers,
+    /// Run the services without the commit watch: with `--failover`, the commits whose wait for
+    /// the stalled standby the harness cancels just before the primary dies report success, and
+    /// the bookings acknowledged on them are lost with the primary.
+    CommitWatch,
     /// Commit asynchronously (`synchronous_commit = off` on the services' connections), and stop
     /// the WAL writer for a second before PostgreSQL crashes, so that commits it acknowledged are
     /// lost with it. Needs the crash: the database faults on, without `--failover`.
@@ -132,6 +136,12 @@ impl ChaosArgs {
         anyhow::ensure!(
             self.failover || !self.without(Sabotage::SyncReplication),
             "--without sync-replication sabotages a failover: give --failover too"
+        );
+        anyhow::ensure!(
+            !self.without(Sabotage::CommitWatch)
+                || (self.failover && !self.without(Sabotage::SyncReplication)),
+            "--without commit-watch shows what a cancelled wait for the synchronous standby \
+             loses: it needs --failover, with its standby synchronous"
         );
         anyhow::ensure!(
             !self.without(Sabotage::DurableCommit)

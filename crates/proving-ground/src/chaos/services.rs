@@ -195,6 +195,7 @@ fn sabotage_switches(args: &ChaosArgs) -> Vec<&'static str> {
             Sabotage::UnknownAnswers => {
                 Some(rocket_rides::failpoints::SABOTAGE_UNKNOWN_ANSWER_IS_REFUSAL)
             }
+            Sabotage::CommitWatch => Some(rocket_rides::failpoints::SABOTAGE_NO_COMMIT_WATCH),
             // Applied to the worker's arguments, and to the database.
             Sabotage::Completer | Sabotage::SyncReplication | Sabotage::DurableCommit => None,
         })

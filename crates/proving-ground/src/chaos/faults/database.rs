@@ -22,6 +22,12 @@ const PG_DOWN: Duration = Duration::from_secs(1);
 /// How long `--failover` stalls replication before the primary dies (the negative control: at
 /// least).
 const REPLICATION_STALL: Duration = Duration::from_secs(2);
+/// The fault kind of a wait for the synchronous standby cancelled (`pg_cancel_backend`).
+pub(super) const CANCEL_SYNC_WAIT: &str = "pg_cancel_sync_wait";
+/// How long before the primary dies the waits for its stalled standby are cancelled: shorter
+/// than the `Retry-After` (1 s) of the 503 the service answers them with, so that no retry
+/// replays, before the primary is gone, a key that only the primary has.
+const CANCEL_WINDOW: Duration = Duration::from_millis(400);
 /// How long the negative control of durable commits stops the WAL writer before the crash, at
 /// least.
 const WAL_WRITER_STALL: Duration = Duration::from_secs(1);
@@ -73,7 +79,12 @@ async fn outage(stack: Arc<Stack>) {
         // the standby (the negative control's loss).
         postgres.stall_replication();
         if stack.replication == Replication::Synchronous {
-            tokio::time::sleep(REPLICATION_STALL).await;
+            // Every commit now waits for the standby. The last moment before the primary dies,
+            // the waits are cancelled: each such commit reports success with only a warning,
+            // and a service that acknowledged it would lose the booking with the primary.
+            tokio::time::sleep(REPLICATION_STALL - CANCEL_WINDOW).await;
+            let cancelled = cancel_sync_waits(&stack.pool, CANCEL_WINDOW).await;
+            recorder.fault(CANCEL_SYNC_WAIT, cancelled);
         } else {
             acknowledged_meanwhile(recorder, REPLICATION_STALL).await;
         }
@@ -117,6 +128,27 @@ async fn outage(stack: Arc<Stack>) {
             recorder.unexpected_exit();
         }
     }
+}
+
+/// Cancels the services' waits for the synchronous standby (their backends in the `SyncRep`
+/// wait), every 20 ms for `window`; returns how many.
+async fn cancel_sync_waits(pool: &sqlx::PgPool, window: Duration) -> u64 {
+    let (started, mut cancelled) = (Instant::now(), 0);
+    while started.elapsed() < window {
+        let round: Result<i64, _> = sqlx::query_scalar(
+            "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) FROM pg_stat_activity \
+             WHERE wait_event = 'SyncRep' AND application_name = $1",
+        )
+        .bind(SERVICE_APPLICATION)
+        .fetch_one(pool)
+        .await;
+        match round {
+            Ok(n) => cancelled += n.max(0) as u64,
+            Err(e) => eprintln!("chaos: cancelling the waits for the standby failed: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cancelled
 }
 
 /// Waits `at_least`, then until the clients have received [`ACKNOWLEDGED_IN_STALL`] more 201s

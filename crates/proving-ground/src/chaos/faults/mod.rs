@@ -54,6 +54,8 @@ pub(crate) enum Required {
     WithoutFailover,
     /// With `--failover`, whatever families are off.
     WithFailover,
+    /// With `--failover` and its standby synchronous (not `--without sync-replication`).
+    WithSynchronousFailover,
     /// When the gateway or the network faults are on: a lease is taken over only from a holder
     /// waiting on a slow gateway call, which slow charges or a slow network make.
     WithSlowCalls,
@@ -219,6 +221,10 @@ pub(crate) const FAULTS: &[FaultKind] = &[
         required: Required::WithFailover,
         ..task("pg_failover", FaultFamily::Database)
     },
+    FaultKind {
+        required: Required::WithSynchronousFailover,
+        ..task(database::CANCEL_SYNC_WAIT, FaultFamily::Database)
+    },
 ];
 
 /// The fault kind of an intermediary in front of the gateway answering on its own (HTML or an
@@ -295,6 +301,9 @@ pub(crate) fn configured(args: &ChaosArgs) -> Vec<&'static str> {
             Required::Always => args.on(kind.family),
             Required::WithoutFailover => args.on(kind.family) && !args.failover,
             Required::WithFailover => args.failover,
+            Required::WithSynchronousFailover => {
+                args.failover && !args.without(super::options::Sabotage::SyncReplication)
+            }
             Required::WithSlowCalls => args.on(kind.family) && slow_calls,
             Required::Never => false,
         })
