@@ -585,3 +585,28 @@ fn help_documents_the_pooler_settings_and_hides_the_migration_url() {
     assert!(text.contains("--migrate-database-url"), "{text}");
     assert!(text.contains("MIGRATE_DATABASE_URL"), "{text}");
 }
+
+/// The binary's commands that touch the database, through the pooler with the transaction
+/// setting, the migration beside it.
+#[sqlx::test(migrations = false)]
+async fn the_commands_run_through_a_transaction_pooler(pool: PgPool) {
+    let Some(pooler) = pooler() else { return };
+    let direct = common::url_of(&pool).await;
+    let mut pooled = reqwest::Url::parse(&pooler.url).expect("the pooler's URL is a URL");
+    pooled.set_path(pool.connect_options().get_database().unwrap());
+    let env = [
+        ("DATABASE_URL", pooled.as_str()),
+        ("DATABASE_POOLER", "transaction"),
+        ("MIGRATE_DATABASE_URL", direct.as_str()),
+    ];
+    for command in [
+        &["migrate"][..],
+        &["worker", "--once"],
+        &["keys", "list", "--unfinished"],
+        &["jobs", "list"],
+    ] {
+        let ran = rocket_rides(command, &env);
+        assert!(ran.status.success(), "{command:?}: {ran:?}");
+    }
+    assert!(tables(&pool).await > 0);
+}
