@@ -42,14 +42,18 @@ impl FromRequestParts<AppState> for AuthUser {
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         let key = bearer_token(&parts.headers)?;
+        let internal = |e: sqlx::Error| ApiError::Internal(format!("authenticate: {e}"));
+        let mut db = state.store.autocommit().await.map_err(internal)?;
         let user: Option<(i64, String)> = sqlx::query_as(
             "SELECT id, stripe_customer_id FROM users
              WHERE api_key_hash = $1 AND stripe_customer_id IS NOT NULL",
         )
         .bind(hash_api_key(key).as_slice())
-        .fetch_optional(&state.pool)
+        .persistent(state.store.persistent())
+        .fetch_optional(db.conn())
         .await
-        .map_err(|e| ApiError::Internal(format!("authenticate: {e}")))?;
+        .map_err(internal)?;
+        db.done().await.map_err(internal)?;
         user.map(|(id, customer)| Self { id, customer })
             .ok_or(ApiError::Unauthorized(UNAUTHORIZED_DETAIL))
     }

@@ -8,7 +8,9 @@ use clap::{Args, Parser, Subcommand};
 use idempotency::{DatabaseClock, KeyFilter, Store};
 
 use crate::app::{self, AppState};
-use crate::config::{GatewayArgs, HttpArgs, LeaseArgs, RetentionArgs, ShutdownArgs, WorkerArgs};
+use crate::config::{
+    DatabasePooler, GatewayArgs, HttpArgs, LeaseArgs, RetentionArgs, ShutdownArgs, WorkerArgs,
+};
 use crate::shutdown::{os_signal, Shutdown, HARD_STOP_MARGIN};
 use crate::telemetry::LogFormat;
 
@@ -53,19 +55,83 @@ impl Cli {
     }
 }
 
+/// What `migrate` says, and does not do, when it would migrate through a transaction pooler.
+pub const MIGRATE_THROUGH_POOLER: &str = "--database-pooler transaction: migrations cannot run \
+     through a pooler in transaction mode (sqlx's migrator holds a session advisory lock and \
+     prepares named statements); give --migrate-database-url (MIGRATE_DATABASE_URL), a \
+     connection straight to PostgreSQL or through a session-mode pool";
+
 #[derive(Debug, Args)]
 struct DatabaseArgs {
     /// PostgreSQL connection URL.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
+    #[command(flatten)]
+    pooler: PoolerArgs,
+}
+
+#[derive(Debug, Clone, Copy, Args)]
+struct PoolerArgs {
+    /// What is between the service and PostgreSQL: `session` (PostgreSQL itself, or a pooler in
+    /// session mode) or `transaction` (a pooler in transaction mode, such as PgBouncer's
+    /// `pool_mode = transaction`: every statement is sent unnamed, inside a transaction).
+    #[arg(long, env = "DATABASE_POOLER", value_enum, default_value_t = DatabasePooler::Session)]
+    database_pooler: DatabasePooler,
+}
+
+impl DatabaseArgs {
+    /// A key store on `pool` with the statements `--database-pooler` asks for, for commands
+    /// that hold no lease.
+    fn store(&self, pool: sqlx::PgPool) -> anyhow::Result<Store> {
+        Ok(Store::new(
+            pool,
+            Arc::new(DatabaseClock),
+            idempotency::DEFAULT_LEASE_TTL,
+        )?
+        .with_statements(self.pooler.database_pooler.statements()))
+    }
+}
+
+#[derive(Debug, Args)]
+struct MigrateArgs {
+    /// PostgreSQL connection URL; migrations run on it unless --migrate-database-url is given.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        required_unless_present = "migrate_database_url"
+    )]
+    database_url: Option<String>,
+    #[command(flatten)]
+    pooler: PoolerArgs,
+    /// The URL migrations run on, when DATABASE_URL goes through a pooler in transaction mode:
+    /// straight to PostgreSQL (or through a session-mode pool). Required with
+    /// `--database-pooler transaction`.
+    #[arg(long, env = "MIGRATE_DATABASE_URL", hide_env_values = true)]
+    migrate_database_url: Option<String>,
+}
+
+impl MigrateArgs {
+    /// The URL to migrate on: `--migrate-database-url`, else `--database-url` unless that goes
+    /// through a transaction pooler.
+    fn url(&self) -> anyhow::Result<&str> {
+        match (&self.migrate_database_url, self.pooler.database_pooler) {
+            (Some(url), _) => Ok(url.as_str()),
+            (None, DatabasePooler::Transaction) => anyhow::bail!(MIGRATE_THROUGH_POOLER),
+            (None, DatabasePooler::Session) => self
+                .database_url
+                .as_deref()
+                .context("--database-url or --migrate-database-url is required"),
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Create or update the database tables.
+    /// Create or update the database tables (on --migrate-database-url when given).
     Migrate {
         #[command(flatten)]
-        db: DatabaseArgs,
+        db: MigrateArgs,
     },
     /// Manage users.
     Users {
@@ -196,7 +262,11 @@ enum JobsCommand {
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Migrate { db } => {
-            let pool = connect(&db, 2).await?;
+            // Refused before any connection: nothing is written.
+            let url = db.url()?;
+            let pool = crate::db::connect(url, 2).await.context(
+                "connect to the database to migrate (is the URL right and PostgreSQL running?)",
+            )?;
             crate::db::migrate(&pool).await.context("migrate")?;
             eprintln!("migrations applied");
         }
@@ -212,7 +282,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             crate::config::validate(&gateway, &LeaseArgs::default()).map_err(anyhow::Error::msg)?;
             let pool = connect(&db, 2).await?;
             let stripe = gateway.client()?;
-            let user = crate::users::create_user(&pool, &stripe, &email, &card).await?;
+            let store = db.store(pool)?;
+            let user = crate::users::create_user_on(&store, &stripe, &email, &card).await?;
             println!("{}", serde_json::to_string(&user)?);
         }
         Command::Serve {
@@ -265,7 +336,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             // The worker's claims agree with the API's on what has expired, as its reaper does.
             let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?
-                .with_key_retention(worker.key_retention)?;
+                .with_key_retention(worker.key_retention)?
+                .with_statements(db.pooler.database_pooler.statements());
             if once {
                 crate::worker::run_once(&state, &worker).await?;
             } else {
@@ -296,8 +368,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Jobs {
             command: JobsCommand::List { db, limit },
         } => {
-            let pool = connect(&db, 2).await?;
-            for job in crate::worker::outbox::failed_jobs(&pool, limit).await? {
+            let store = db.store(connect(&db, 2).await?)?;
+            let mut conn = store.autocommit().await?;
+            let jobs =
+                crate::worker::outbox::failed_jobs(conn.conn(), store.persistent(), limit).await?;
+            conn.done().await?;
+            for job in jobs {
                 println!("{}", serde_json::to_string(&job)?);
             }
         }
@@ -318,12 +394,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 KeysCommand::Show { db, id } => (db, Ok(id)),
             };
-            let pool = connect(&db, 2).await?;
-            let store = Store::new(
-                pool,
-                Arc::new(DatabaseClock),
-                idempotency::DEFAULT_LEASE_TTL,
-            )?;
+            let store = db.store(connect(&db, 2).await?)?;
             match which {
                 Ok(id) => {
                     let key = store
@@ -386,7 +457,8 @@ async fn serve(settings: Serving) -> anyhow::Result<()> {
     // Finished keys expire at read after the retention: a late retry's answer depends on its
     // key's age, not on when the worker's reaper last ran.
     let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?
-        .with_key_retention(retention.key_retention)?;
+        .with_key_retention(retention.key_retention)?
+        .with_statements(db.pooler.database_pooler.statements());
     state.http = http.clone();
     let listener = tokio::net::TcpListener::bind(listen)
         .await

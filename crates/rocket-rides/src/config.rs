@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+use idempotency::Statements;
 
 use crate::stripe::{ClientError, StripeClient, DEFAULT_CONNECT_TIMEOUT, DEFAULT_GATEWAY_TIMEOUT};
 
@@ -88,6 +89,30 @@ impl GatewayArgs {
             self.gateway_timeout,
             pem.as_deref(),
         )?)
+    }
+}
+
+/// What stands between the service and PostgreSQL (`--database-pooler`): how the service sends
+/// its statements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DatabasePooler {
+    /// PostgreSQL itself, or a pooler in session mode (PgBouncer's `pool_mode = session`): named
+    /// prepared statements, cached per connection, and reads sent alone. The safe default.
+    #[default]
+    Session,
+    /// A pooler in transaction mode (PgBouncer's `pool_mode = transaction`): every statement
+    /// unnamed and inside an explicit transaction ([`Statements::Unnamed`]). Migrations need a
+    /// direct connection then (`--migrate-database-url`).
+    Transaction,
+}
+
+impl DatabasePooler {
+    /// How the key store, and with it every statement of the service, is sent.
+    pub fn statements(self) -> Statements {
+        match self {
+            Self::Session => Statements::Prepared,
+            Self::Transaction => Statements::Unnamed,
+        }
     }
 }
 

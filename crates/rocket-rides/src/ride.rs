@@ -211,9 +211,11 @@ pub(crate) const RIDE_COLUMNS: &str =
                             target_lat, target_lon, created_at";
 
 impl RideView {
-    /// The ride a key created.
+    /// The ride a key created. `persistent`: whether the statement is a named prepared one
+    /// ([`idempotency::Store::persistent`]).
     pub async fn by_key(
         db: impl PgExecutor<'_>,
+        persistent: bool,
         user_id: i64,
         key_id: i64,
     ) -> Result<Option<Self>, sqlx::Error> {
@@ -222,13 +224,15 @@ impl RideView {
         ))
         .bind(user_id)
         .bind(key_id)
+        .persistent(persistent)
         .fetch_optional(db)
         .await
     }
 
-    /// A ride of its owner.
+    /// A ride of its owner; `persistent` as for [`RideView::by_key`].
     pub async fn by_id(
         db: impl PgExecutor<'_>,
+        persistent: bool,
         user_id: i64,
         ride_id: i64,
     ) -> Result<Option<Self>, sqlx::Error> {
@@ -237,6 +241,7 @@ impl RideView {
         ))
         .bind(user_id)
         .bind(ride_id)
+        .persistent(persistent)
         .fetch_optional(db)
         .await
     }

@@ -30,7 +30,8 @@ pub enum StartError {
 /// Everything a handler needs. Cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
-    /// The database.
+    /// The database. Statements are not sent on it alone: through [`Store::autocommit`] or a
+    /// transaction, so that they are safe behind a transaction pooler too.
     pub pool: PgPool,
     /// The idempotency key store, over the same pool; it renews leases every `--lease-heartbeat`
     /// while a request waits on the gateway.
@@ -81,6 +82,16 @@ impl AppState {
             metrics,
             failpoints: Failpoints::from_env().map_err(StartError::Settings)?,
         })
+    }
+
+    /// Makes the key store, and every statement of the service with it, send its statements as
+    /// `statements` says (`--database-pooler`, [`crate::config::DatabasePooler`]). The
+    /// service's own statements follow the store: they are built with
+    /// `.persistent(state.store.persistent())`, and those that stand alone are sent through
+    /// [`Store::autocommit`], never on [`AppState::pool`] alone.
+    pub fn with_statements(mut self, statements: idempotency::Statements) -> Self {
+        self.store = self.store.with_statements(statements);
+        self
     }
 
     /// Gives the key store its retention (`--key-retention`, at least 24 h): a key that

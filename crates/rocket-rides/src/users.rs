@@ -1,5 +1,8 @@
 //! Creating users: a gateway customer with their card, an API key, a row.
 
+use std::sync::Arc;
+
+use idempotency::{DatabaseClock, Store};
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -52,6 +55,25 @@ pub async fn create_user(
     email: &str,
     source: &str,
 ) -> Result<CreatedUser, CreateUserError> {
+    // The default lease TTL is one the store accepts; the store here sends two statements and
+    // holds no lease.
+    let store = Store::new(
+        pool.clone(),
+        Arc::new(DatabaseClock),
+        idempotency::DEFAULT_LEASE_TTL,
+    )
+    .expect("the default lease TTL is valid");
+    create_user_on(&store, stripe, email, source).await
+}
+
+/// [`create_user`] with the statements of `store` (unnamed, each in a transaction of its own,
+/// behind a transaction pooler: `--database-pooler transaction`), on its pool.
+pub async fn create_user_on(
+    store: &Store,
+    stripe: &StripeClient,
+    email: &str,
+    source: &str,
+) -> Result<CreatedUser, CreateUserError> {
     let valid = (3..=254).contains(&email.len())
         && email
             .split_once('@')
@@ -62,6 +84,7 @@ pub async fn create_user(
     }
     // A complete user with this email refuses; an incomplete one (an earlier run that failed)
     // is taken up again. `ON CONFLICT … WHERE` returns no row for a complete user.
+    let mut db = store.autocommit().await?;
     let row: Option<(i64, idempotency::Uuid)> = sqlx::query_as(
         "INSERT INTO users (email) VALUES ($1)
          ON CONFLICT (email) DO UPDATE SET email = excluded.email
@@ -69,14 +92,17 @@ pub async fn create_user(
          RETURNING id, customer_key",
     )
     .bind(email)
-    .fetch_optional(pool)
+    .persistent(store.persistent())
+    .fetch_optional(db.conn())
     .await?;
+    db.done().await?;
     let Some((id, customer_key)) = row else {
         return Err(CreateUserError::Duplicate(email.to_owned()));
     };
     let gateway_key = format!("rocket-rides:customer:{customer_key}:{source}");
     let customer = stripe.create_customer(email, source, &gateway_key).await?;
     let api_key = generate_api_key();
+    let mut db = store.autocommit().await?;
     let completed = sqlx::query(
         "UPDATE users SET stripe_customer_id = $2, api_key_hash = $3
          WHERE id = $1 AND stripe_customer_id IS NULL",
@@ -84,8 +110,10 @@ pub async fn create_user(
     .bind(id)
     .bind(&customer.id)
     .bind(hash_api_key(&api_key).as_slice())
-    .execute(pool)
+    .persistent(store.persistent())
+    .execute(db.conn())
     .await?;
+    db.done().await?;
     if completed.rows_affected() == 0 {
         // A concurrent run with the same email completed the user first.
         return Err(CreateUserError::Duplicate(email.to_owned()));

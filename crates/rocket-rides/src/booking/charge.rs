@@ -68,7 +68,8 @@ impl ChargeTarget {
         lease: &Lease<RidePoint>,
     ) -> Result<Self, BookingError> {
         let window = state.gateway_key_window.as_millis().min(i64::MAX as u128) as i64;
-        sqlx::query_as(
+        let mut conn = state.store.autocommit().await.map_err(db("load ride"))?;
+        let target = sqlx::query_as(
             r#"
             SELECT r.id AS ride_id, r.amount_cents, r.charge_id,
                    u.stripe_customer_id AS customer,
@@ -91,10 +92,13 @@ impl ChargeTarget {
         .bind(lease.key_id())
         .bind(state.store.now())
         .bind(window)
-        .fetch_optional(&state.pool)
+        .persistent(state.store.persistent())
+        .fetch_optional(conn.conn())
         .await
         .map_err(db("load ride"))?
-        .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", lease.key_id())))
+        .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", lease.key_id())))?;
+        conn.done().await.map_err(db("load ride"))?;
+        Ok(target)
     }
 
     /// The doubt to clear before the key is asked again, if any: one kept by an earlier attempt
@@ -258,6 +262,7 @@ pub(super) async fn record_attempt(
     .bind(target.ride_id)
     .bind(user_id)
     .bind(state.store.now())
+    .persistent(state.store.persistent())
     .fetch_one(phase.conn())
     .await
     .map_err(db("record the gateway call"))?;

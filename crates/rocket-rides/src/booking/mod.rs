@@ -224,8 +224,9 @@ pub async fn create_ride(
         // The chaos harness's negative control: the key's recovery point and its ride in two
         // transactions, so that a failure between them leaves a key naming no ride.
         let lease = first.commit().await?;
-        let mut conn = state.pool.acquire().await.map_err(db("acquire"))?;
-        let ride = insert_ride(&mut conn, state, user_id, Some(key_id), request).await?;
+        let mut conn = state.store.autocommit().await.map_err(db("acquire"))?;
+        let ride = insert_ride(conn.conn(), state, user_id, Some(key_id), request).await?;
+        conn.done().await.map_err(db("insert ride"))?;
         (lease, ride)
     } else {
         let ride = insert_ride(first.conn(), state, user_id, Some(key_id), request).await?;

@@ -90,7 +90,15 @@ async fn paid(
     let user_id = rider(lease)?;
     let mut phase = state.store.final_phase(lease).await?;
     let adopted = found == Found::Adopted;
-    let ride = charge_paid(phase.conn(), user_id, ride_id, &charge.id, adopted).await?;
+    let ride = charge_paid(
+        phase.conn(),
+        state.store.persistent(),
+        user_id,
+        ride_id,
+        &charge.id,
+        adopted,
+    )
+    .await?;
     let response = created(&ride)?;
     phase.finish(&response).await?;
     Ok(Step::Respond(response))
@@ -113,11 +121,13 @@ async fn record_pending(
     .bind(ride_id)
     .bind(user_id)
     .bind(&charge.id)
+    .persistent(state.store.persistent())
     .execute(phase.conn())
     .await
     .map_err(db("record pending charge"))?;
     audit(
         phase.conn(),
+        state.store.persistent(),
         user_id,
         "ride.charge_pending",
         ride_id,
@@ -208,11 +218,13 @@ pub(super) async fn declined(
     )
     .bind(ride_id)
     .bind(user_id)
+    .persistent(state.store.persistent())
     .execute(phase.conn())
     .await
     .map_err(db("mark ride declined"))?;
     audit(
         phase.conn(),
+        state.store.persistent(),
         user_id,
         "ride.payment_declined",
         ride_id,
@@ -280,12 +292,14 @@ pub(super) async fn refused(
     )
     .bind(ride_id)
     .bind(user_id)
+    .persistent(state.store.persistent())
     .execute(phase.conn())
     .await
     .map_err(db("mark ride failed"))?;
     let gateway_error = gateway_error(refusal);
     audit(
         phase.conn(),
+        state.store.persistent(),
         user_id,
         "ride.payment_refused",
         ride_id,
@@ -317,11 +331,22 @@ pub(super) async fn finish_recorded(
     let user_id = rider(lease)?;
     let key_id = lease.key_id();
     let mut phase = state.store.final_phase(lease).await?;
-    let ride = RideView::by_key(&mut *phase.conn(), user_id, key_id)
-        .await
-        .map_err(db("load ride"))?
-        .ok_or_else(|| BookingError::Internal(format!("no ride for key {key_id}")))?;
-    stage_receipt(phase.conn(), user_id, ride.ride_id).await?;
+    let ride = RideView::by_key(
+        &mut *phase.conn(),
+        state.store.persistent(),
+        user_id,
+        key_id,
+    )
+    .await
+    .map_err(db("load ride"))?
+    .ok_or_else(|| BookingError::Internal(format!("no ride for key {key_id}")))?;
+    stage_receipt(
+        phase.conn(),
+        state.store.persistent(),
+        user_id,
+        ride.ride_id,
+    )
+    .await?;
     let response = created(&ride)?;
     phase.finish(&response).await?;
     Ok(Step::Respond(response))

@@ -131,6 +131,11 @@ async fn wait_for_calls(
         return Ok(());
     }
     let bound = millis(state.gateway_processing_bound);
+    let mut conn = state
+        .store
+        .autocommit()
+        .await
+        .map_err(db("read the ride's last gateway call"))?;
     let left: i64 = sqlx::query_scalar(
         r#"
         SELECT ceil(extract(epoch FROM coalesce(charge_attempted_at, coalesce($4::timestamptz, now()))
@@ -143,9 +148,13 @@ async fn wait_for_calls(
     .bind(target.ride_id)
     .bind(bound)
     .bind(state.store.now())
-    .fetch_one(&state.pool)
+    .persistent(state.store.persistent())
+    .fetch_one(conn.conn())
     .await
     .map_err(db("read the ride's last gateway call"))?;
+    conn.done()
+        .await
+        .map_err(db("read the ride's last gateway call"))?;
     if left > 0 {
         state.metrics.reconciliation(Reconciliation::Deferred);
         // Never more than the bound itself, whatever a step of the database's clock says.
@@ -197,11 +206,13 @@ pub(super) async fn keep_doubt(
     .bind(user_id)
     .bind(name)
     .bind(Json(&refusal))
+    .persistent(state.store.persistent())
     .execute(phase.conn())
     .await
     .map_err(db("keep the charge's doubt"))?;
     audit(
         phase.conn(),
+        state.store.persistent(),
         user_id,
         "ride.charge_in_doubt",
         target.ride_id,
@@ -318,11 +329,13 @@ async fn next_generation(
     .bind(target.ride_id)
     .bind(user_id)
     .bind(now)
+    .persistent(state.store.persistent())
     .fetch_one(phase.conn())
     .await
     .map_err(db("start a new charge generation"))?;
     audit(
         phase.conn(),
+        state.store.persistent(),
         user_id,
         "ride.charge_generation_started",
         target.ride_id,

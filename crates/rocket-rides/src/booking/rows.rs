@@ -1,6 +1,10 @@
 //! The statements the phases share: the ride with its audit record, a paid charge with its
 //! audit record and receipt job, a receipt job alone, an audit record. `POST /bench/rides`
 //! writes the same rows with the first two.
+//!
+//! Each statement is unnamed when the key store's are (`persistent`, [`idempotency::Store::persistent`]):
+//! behind a pooler in transaction mode, a named prepared statement would be missing, or another
+//! client's, on the server connection the next transaction gets.
 
 use sqlx::PgConnection;
 use time::OffsetDateTime;
@@ -43,6 +47,7 @@ pub(crate) async fn insert_ride(
     .bind(request.target_lon)
     .bind(request.amount_cents)
     .bind(state.store.now())
+    .persistent(state.store.persistent())
     .fetch_one(conn)
     .await
     .map_err(db("insert ride"))
@@ -52,6 +57,7 @@ pub(crate) async fn insert_ride(
 /// returns the ride as it is now.
 pub(crate) async fn charge_paid(
     conn: &mut PgConnection,
+    persistent: bool,
     user_id: i64,
     ride_id: i64,
     charge_id: &str,
@@ -80,6 +86,7 @@ pub(crate) async fn charge_paid(
     .bind(ride_id)
     .bind(charge_id)
     .bind(adopted)
+    .persistent(persistent)
     .fetch_optional(conn)
     .await
     .map_err(db("record charge"))?
@@ -89,6 +96,7 @@ pub(crate) async fn charge_paid(
 /// The receipt job of a ride whose charge an earlier version recorded.
 pub(super) async fn stage_receipt(
     conn: &mut PgConnection,
+    persistent: bool,
     user_id: i64,
     ride_id: i64,
 ) -> Result<(), BookingError> {
@@ -98,6 +106,7 @@ pub(super) async fn stage_receipt(
     )
     .bind(user_id)
     .bind(ride_id)
+    .persistent(persistent)
     .execute(conn)
     .await
     .map_err(db("stage receipt job"))?;
@@ -106,6 +115,7 @@ pub(super) async fn stage_receipt(
 
 pub(super) async fn audit(
     conn: &mut PgConnection,
+    persistent: bool,
     user_id: i64,
     action: &str,
     ride_id: i64,
@@ -119,6 +129,7 @@ pub(super) async fn audit(
     .bind(action)
     .bind(ride_id)
     .bind(data)
+    .persistent(persistent)
     .execute(conn)
     .await
     .map_err(db("write audit record"))?;

@@ -52,9 +52,16 @@ pub async fn create(
         .map_err(|e| ApiError::GatewayUnavailable(e.to_string()))?;
 
     let mut tx = state.pool.begin().await.map_err(database)?;
-    let ride = booking::charge_paid(&mut tx, user.id, ride_id, &charge.id, false)
-        .await
-        .map_err(internal)?;
+    let ride = booking::charge_paid(
+        &mut tx,
+        state.store.persistent(),
+        user.id,
+        ride_id,
+        &charge.id,
+        false,
+    )
+    .await
+    .map_err(internal)?;
     tx.commit().await.map_err(database)?;
     let response = booking::created(&ride).map_err(internal)?;
     Ok(idempotency_axum::stored_response(&response))

@@ -26,8 +26,8 @@ pub async fn healthz() -> &'static str {
         (status = 503, description = "The database does not answer.", body = String, content_type = "text/plain"),
     ))]
 pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
-    match sqlx::query("SELECT 1").execute(&state.pool).await {
-        Ok(_) => (http::StatusCode::OK, "ready"),
+    match ready(&state).await {
+        Ok(()) => (http::StatusCode::OK, "ready"),
         Err(e) => {
             tracing::warn!(error = %e, "database unreachable");
             (
@@ -36,6 +36,16 @@ pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
             )
         }
     }
+}
+
+/// One statement on the store's pool, as every statement of the service is sent.
+async fn ready(state: &AppState) -> Result<(), sqlx::Error> {
+    let mut db = state.store.autocommit().await?;
+    sqlx::query("SELECT 1")
+        .persistent(state.store.persistent())
+        .execute(db.conn())
+        .await?;
+    db.done().await
 }
 
 /// Middleware: counts every answered request by its route template (never the raw path, whose

@@ -221,10 +221,13 @@ pub async fn show(
     // The id as the client wrote it, before any percent-decoding: one ride, one spelling.
     let raw = uri.path().rsplit('/').next().unwrap_or("");
     let ride_id = canonical_id(raw).ok_or(ApiError::NotFound)?;
-    let ride = RideView::by_id(&state.pool, user.id, ride_id)
+    let internal = |e: sqlx::Error| ApiError::Internal(format!("load ride {ride_id}: {e}"));
+    let mut db = state.store.autocommit().await.map_err(internal)?;
+    let ride = RideView::by_id(db.conn(), state.store.persistent(), user.id, ride_id)
         .await
-        .map_err(|e| ApiError::Internal(format!("load ride {ride_id}: {e}")))?
-        .ok_or(ApiError::NotFound)?;
+        .map_err(internal)?;
+    db.done().await.map_err(internal)?;
+    let ride = ride.ok_or(ApiError::NotFound)?;
     Ok(axum::Json(json!(ride)).into_response())
 }
 

@@ -70,6 +70,8 @@ pub struct FailedJob {
 
 /// Delivers up to `batch` jobs, one user's at a time; returns what it did.
 pub async fn run_once(state: &AppState, batch: i64) -> Result<Drained, DrainError> {
+    let persistent = state.store.persistent();
+    let mut db = state.store.autocommit().await?;
     let candidates: Vec<(i64, i64)> = sqlx::query_as(
         // Only the jobs this build knows: a job of a newer build waits for it without blocking
         // the others.
@@ -80,8 +82,10 @@ pub async fn run_once(state: &AppState, batch: i64) -> Result<Drained, DrainErro
     )
     .bind(batch)
     .bind(&KNOWN_JOBS[..])
-    .fetch_all(&state.pool)
+    .persistent(persistent)
+    .fetch_all(db.conn())
     .await?;
+    db.done().await?;
     let mut by_user: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
     for (user_id, id) in candidates {
         by_user.entry(user_id).or_default().push(id);
@@ -99,6 +103,7 @@ pub async fn run_once(state: &AppState, batch: i64) -> Result<Drained, DrainErro
 
 /// One user's jobs, in one transaction.
 async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drained, DrainError> {
+    let persistent = state.store.persistent();
     let mut tx = state.pool.begin().await?;
     let jobs: Vec<(i64, String, serde_json::Value)> = sqlx::query_as(
         "SELECT id, job_name, job_args FROM staged_jobs
@@ -107,11 +112,12 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
     )
     .bind(user_id)
     .bind(ids)
+    .persistent(persistent)
     .fetch_all(&mut *tx)
     .await?;
     let mut drained = Drained::default();
     for (id, name, args) in &jobs {
-        match run_job(&mut tx, user_id, name, args).await? {
+        match run_job(&mut tx, persistent, user_id, name, args).await? {
             Ok(()) => {
                 crash_point(state)?;
                 drained.delivered += 1;
@@ -126,6 +132,7 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
                 .bind(user_id)
                 .bind(id)
                 .bind(truncate(&why, 1000))
+                .persistent(persistent)
                 .execute(&mut *tx)
                 .await?;
                 drained.failed += 1;
@@ -134,6 +141,7 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
         sqlx::query("DELETE FROM staged_jobs WHERE user_id = $1 AND id = $2")
             .bind(user_id)
             .bind(id)
+            .persistent(persistent)
             .execute(&mut *tx)
             .await?;
     }
@@ -144,6 +152,7 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
 /// A job's effect; `Ok(Err(why))` for a job that can never run.
 async fn run_job(
     conn: &mut PgConnection,
+    persistent: bool,
     user_id: i64,
     name: &str,
     args: &serde_json::Value,
@@ -163,6 +172,7 @@ async fn run_job(
             )
             .bind(user_id)
             .bind(args.ride_id)
+            .persistent(persistent)
             .execute(conn)
             .await?;
             Ok(Ok(()))
@@ -171,9 +181,11 @@ async fn run_job(
     }
 }
 
-/// The jobs moved aside, newest first.
+/// The jobs moved aside, newest first. `persistent`: whether the statement is a named prepared
+/// one ([`idempotency::Store::persistent`]).
 pub async fn failed_jobs(
     db: impl sqlx::PgExecutor<'_>,
+    persistent: bool,
     limit: i64,
 ) -> Result<Vec<FailedJob>, sqlx::Error> {
     sqlx::query_as(
@@ -181,6 +193,7 @@ pub async fn failed_jobs(
          ORDER BY failed_at DESC, id DESC LIMIT $1",
     )
     .bind(limit.clamp(1, 10_000))
+    .persistent(persistent)
     .fetch_all(db)
     .await
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fakestripe::Faults;
-use idempotency::ManualClock;
+use idempotency::{ManualClock, Statements};
 use rocket_rides::app::{self, AppState};
 use rocket_rides::config::{GatewayArgs, HttpArgs, LeaseArgs};
 use serde_json::Value;
@@ -178,12 +178,30 @@ impl TestApp {
         lease: LeaseArgs,
         tls: Option<Arc<rustls::ServerConfig>>,
     ) -> Self {
-        Self::start_inner(pool, gateway_args, lease, tls, HttpArgs::default(), false).await
+        Self::start_inner(
+            pool,
+            gateway_args,
+            lease,
+            tls,
+            HttpArgs::default(),
+            false,
+            None,
+        )
+        .await
     }
 
     /// Starts both servers with a [`front::Front`] between the service and the gateway.
     pub async fn start_fronted(pool: PgPool, gateway_args: GatewayArgs, lease: LeaseArgs) -> Self {
-        Self::start_inner(pool, gateway_args, lease, None, HttpArgs::default(), true).await
+        Self::start_inner(
+            pool,
+            gateway_args,
+            lease,
+            None,
+            HttpArgs::default(),
+            true,
+            None,
+        )
+        .await
     }
 
     /// The front between the service and the gateway.
@@ -197,7 +215,29 @@ impl TestApp {
             lease_ttl: TTL,
             ..Default::default()
         };
-        Self::start_inner(pool, GatewayArgs::default(), lease, None, http, false).await
+        Self::start_inner(pool, GatewayArgs::default(), lease, None, http, false, None).await
+    }
+
+    /// Starts both servers, the service over `service` (a pool on the same database through a
+    /// pooler, say) with these statements; the test's `pool` migrates, and the gateway and the
+    /// test's own reads use it.
+    pub async fn start_through(pool: PgPool, service: PgPool, statements: Statements) -> Self {
+        let lease = LeaseArgs {
+            lease_ttl: TTL,
+            ..Default::default()
+        };
+        let http = HttpArgs::default();
+        let through = Some((service, statements));
+        Self::start_inner(
+            pool,
+            GatewayArgs::default(),
+            lease,
+            None,
+            http,
+            false,
+            through,
+        )
+        .await
     }
 
     async fn start_inner(
@@ -207,6 +247,7 @@ impl TestApp {
         tls: Option<Arc<rustls::ServerConfig>>,
         http: HttpArgs,
         fronted: bool,
+        through: Option<(PgPool, Statements)>,
     ) -> Self {
         rocket_rides::db::migrate(&pool).await.unwrap();
         let gateway_pool = fakestripe::connect(&url_of(&pool).await).await.unwrap();
@@ -223,8 +264,10 @@ impl TestApp {
         };
         gateway_args.stripe_api_base = front.as_ref().map_or(gateway_base, |f| f.base.clone());
         let clock = ManualClock::starting_now();
-        let mut state =
-            AppState::new(pool.clone(), Arc::new(clock.clone()), &gateway_args, &lease).unwrap();
+        let (service_pool, statements) = through.unwrap_or((pool.clone(), Statements::Prepared));
+        let mut state = AppState::new(service_pool, Arc::new(clock.clone()), &gateway_args, &lease)
+            .unwrap()
+            .with_statements(statements);
         state.http = http.clone();
         let (base, stop_api) = spawn_with(app::router(state.clone()), http).await;
         let (metrics_base, stop_metrics) = spawn(app::metrics_router(state.clone())).await;
@@ -243,9 +286,11 @@ impl TestApp {
 
     /// Creates a user through the same code as `rocket-rides users create`; returns (id, api key).
     pub async fn user(&self, email: &str, card: &str) -> (i64, String) {
-        let user = rocket_rides::users::create_user(&self.pool, &self.state.stripe, email, card)
-            .await
-            .unwrap();
+        // On the service's store: its pool and statements.
+        let user =
+            rocket_rides::users::create_user_on(&self.state.store, &self.state.stripe, email, card)
+                .await
+                .unwrap();
         (user.id, user.api_key)
     }
 
