@@ -29,6 +29,7 @@
 //! | [`faults`] | the table of fault kinds, the sampler, and a file per family's tasks |
 //! | [`scenario`] | the phases: requests, calm, late questions, audit and report |
 //! | [`audit`] | the invariants, one function each |
+//! | [`patroni`] | `--ha patroni`: the database in a Patroni cluster behind HAProxy |
 
 mod audit;
 mod clients;
@@ -38,6 +39,7 @@ pub mod html;
 mod intermediary;
 mod leases;
 mod options;
+mod patroni;
 mod pgproxy;
 mod postgres;
 mod processes;
@@ -53,7 +55,7 @@ use anyhow::Context;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-pub use self::options::{ChaosArgs, FaultFamily, Sabotage};
+pub use self::options::{ChaosArgs, FaultFamily, Ha, Sabotage};
 use self::report::Report;
 use self::stack::Stack;
 

@@ -112,14 +112,16 @@ impl Stack {
         } else {
             0.0
         };
-        let mut postgres = tokio::time::timeout(
-            SETUP_LIMIT,
-            Postgres::start(
-                &cluster::clusters_dir().join(run_name),
-                cut_probability,
-                rng.random(),
-            ),
-        )
+        let root = cluster::clusters_dir().join(run_name);
+        let seed = rng.random();
+        let mut postgres = tokio::time::timeout(SETUP_LIMIT, async {
+            if args.patroni() {
+                let synchronous = !args.without(Sabotage::SyncReplication);
+                Postgres::start_patroni(&root, dir, synchronous, cut_probability, seed).await
+            } else {
+                Postgres::start(&root, cut_probability, seed).await
+            }
+        })
         .await
         .context("the run's PostgreSQL did not start in time")??;
         let pool = PgPoolOptions::new()

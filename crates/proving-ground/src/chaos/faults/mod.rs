@@ -9,6 +9,7 @@
 //! | gateway | the in-process gateway's faults; keys forgotten, a customer deleted | [`gateway`] |
 //! | network | the loopback proxies | [`network_faults`] |
 //! | database | backends terminated, commits cut, PostgreSQL crashed or failed over | [`database`] |
+//! | (`--ha patroni`) | the leader's postmaster or agent killed, a switchover | [`patroni`] |
 //!
 //! Faults drawn by the gateway and the proxies are counted by [`sample`], which reads their
 //! counters every second; the families' tasks, the supervised processes and the scripted
@@ -17,6 +18,7 @@
 mod database;
 mod gateway;
 mod kill;
+mod patroni;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -54,6 +56,8 @@ pub(crate) enum Required {
     WithoutFailover,
     /// With `--failover`, whatever families are off.
     WithFailover,
+    /// With `--ha patroni`, whatever families are off.
+    WithPatroni,
     /// When the gateway or the network faults are on: a lease is taken over only from a holder
     /// waiting on a slow gateway call, which slow charges or a slow network make.
     WithSlowCalls,
@@ -219,6 +223,10 @@ pub(crate) const FAULTS: &[FaultKind] = &[
         required: Required::WithFailover,
         ..task("pg_failover", FaultFamily::Database)
     },
+    // Patroni (faults/patroni.rs), with --ha patroni.
+    patroni(patroni::KILL_LEADER),
+    patroni(patroni::KILL_AGENT),
+    patroni(patroni::SWITCHOVER),
 ];
 
 /// The fault kind of an intermediary in front of the gateway answering on its own (HTML or an
@@ -245,6 +253,13 @@ const fn task(name: &'static str, family: FaultFamily) -> FaultKind {
         required: Required::Always,
         ambient: false,
         injection: Injection::Task,
+    }
+}
+
+const fn patroni(name: &'static str) -> FaultKind {
+    FaultKind {
+        required: Required::WithPatroni,
+        ..task(name, FaultFamily::Database)
     }
 }
 
@@ -293,8 +308,9 @@ pub(crate) fn configured(args: &ChaosArgs) -> Vec<&'static str> {
         .iter()
         .filter(|kind| match kind.required {
             Required::Always => args.on(kind.family),
-            Required::WithoutFailover => args.on(kind.family) && !args.failover,
+            Required::WithoutFailover => args.on(kind.family) && !args.failover && !args.patroni(),
             Required::WithFailover => args.failover,
+            Required::WithPatroni => args.patroni(),
             Required::WithSlowCalls => args.on(kind.family) && slow_calls,
             Required::Never => false,
         })
@@ -360,6 +376,7 @@ pub(crate) async fn start(
     gateway::start(stack, users, &mut tasks).await?;
     kill::start(stack, spared, &mut tasks)?;
     database::start(stack, &mut tasks);
+    patroni::start(stack, &mut tasks).await;
     tasks.spawn(sample(stack.clone()));
     Ok(tasks)
 }
