@@ -25,9 +25,12 @@ use sqlx::{ConnectOptions, Connection};
 use tokio::task::JoinSet;
 
 use super::database::{acknowledged_meanwhile, OUTAGE_GRACE_SECS, REPLICATION_STALL};
+use crate::chaos::options::FaultFamily;
 use crate::chaos::patroni::Patroni;
 use crate::chaos::processes::signal;
+use crate::chaos::services::GATEWAY_KEY_WINDOW;
 use crate::chaos::stack::Stack;
+use crate::chaos::stack::STRADDLE_HOLD;
 
 /// SIGKILL of the leader's postmaster.
 pub(crate) const KILL_LEADER: &str = "patroni_kill_leader";
@@ -47,6 +50,18 @@ const JITTER: f64 = 0.04;
 const AGENT_DOWN: Duration = Duration::from_secs(14);
 /// How long the cluster may take to be healthy again (a rewind, a reclone) before a fault.
 const HEALTHY_LIMIT: Duration = Duration::from_secs(90);
+/// The longest a Patroni fault keeps writes away, with a margin (measured: up to 9.4 s, the
+/// agent's kill).
+const WRITES_AWAY_AT_MOST: Duration = Duration::from_secs(12);
+/// When the straddles need the database, from their start: from just before their keys'
+/// window ends (their held attempt is sent in its last second and a half) until their held
+/// charges are made and their retries have listed. A fault whose outage overlaps that span
+/// keeps the held attempt from the gateway, and the straddle's script then fails its customer's
+/// charges for good: a straddle is spoiled, and its key never finishes.
+const STRADDLES_NEED_FROM: Duration = GATEWAY_KEY_WINDOW.saturating_sub(Duration::from_secs(3));
+const STRADDLES_NEED_UNTIL: Duration = GATEWAY_KEY_WINDOW
+    .saturating_add(STRADDLE_HOLD)
+    .saturating_add(Duration::from_secs(2));
 /// How often the write probe writes, and how long one write may take.
 const PROBE_EVERY: Duration = Duration::from_millis(100);
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -62,10 +77,10 @@ pub(super) async fn start(stack: &Arc<Stack>, tasks: &mut JoinSet<()>) {
     };
     let Some(ha) = ha else { return };
     let rng = StdRng::seed_from_u64(stack.rng().random());
-    tasks.spawn(run(stack.clone(), ha, url, rng));
+    tasks.spawn(run(stack.clone(), ha, url, rng, Instant::now()));
 }
 
-async fn run(stack: Arc<Stack>, ha: Arc<Patroni>, url: String, mut rng: StdRng) {
+async fn run(stack: Arc<Stack>, ha: Arc<Patroni>, url: String, mut rng: StdRng, started: Instant) {
     let mut first = [KILL_LEADER, KILL_AGENT, SWITCHOVER];
     first.shuffle(&mut rng);
     for k in 0.. {
@@ -83,11 +98,26 @@ async fn run(stack: Arc<Stack>, ha: Arc<Patroni>, url: String, mut rng: StdRng) 
             .get(k)
             .copied()
             .unwrap_or_else(|| first[rng.random_range(0..first.len())]);
+        if stack.args.on(FaultFamily::Gateway) {
+            spare_the_straddles(started).await;
+        }
+        if stack.stop.load(Ordering::Relaxed) {
+            return;
+        }
         if let Err(e) = one(&stack, &ha, &url, kind).await {
             eprintln!("chaos: {kind} failed: {e:#}");
             stack.recorder.unexpected_exit();
             return;
         }
+    }
+}
+
+/// Waits, if a fault now could keep writes away while the straddles need them, until they no
+/// longer do.
+async fn spare_the_straddles(started: Instant) {
+    let away_until = started.elapsed() + WRITES_AWAY_AT_MOST;
+    if away_until > STRADDLES_NEED_FROM && started.elapsed() < STRADDLES_NEED_UNTIL {
+        tokio::time::sleep(STRADDLES_NEED_UNTIL - started.elapsed()).await;
     }
 }
 
