@@ -9,7 +9,8 @@
 //!             worker (completer, drain, reaper)
 //!  api-i, worker ──PgProxy (cuts after COMMIT)──► the run's own PostgreSQL cluster
 //!                                                  (pg_terminate_backend, crash and restart;
-//!                                                   --failover: a synchronous standby, promoted)
+//!                                                   --failover: a synchronous standby, promoted;
+//!                                                   --ha patroni: HAProxy → the Patroni leader)
 //!  killers: SIGKILL api-i / worker at random · failpoints: crash at exact points (exit codes)
 //! ```
 //!

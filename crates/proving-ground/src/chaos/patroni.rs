@@ -349,11 +349,15 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// primary until the agent comes back (there is no watchdog), so the old leader's timeline has
 /// diverged and must be rewound to rejoin; failing that, its data is recloned.
 ///
-/// The negative control (`synchronous_mode: false`) also allows a failover whatever the
-/// standby's lag: the loss it shows is the one asynchronous replication allows, not one
-/// Patroni's default lag limit (1 MB) happens to catch.
+/// `maximum_lag_on_failover` is 1 GiB rather than 1 MB. In synchronous mode, lag is WAL no client
+/// was told is committed (the synchronous standby has every acknowledged commit), so a lagging
+/// synchronous standby must still be promoted. (We saw a synchronous standby refuse once, "not
+/// the healthiest node", leaving the cluster leaderless; the lag limit is one of the reasons
+/// Patroni gives that answer, and whether it was this one is not established.) In the
+/// negative control it makes the loss the one
+/// asynchronous replication allows, not one the lag limit happens to catch.
 fn config(node: &Node, dir: &Path, bin: &Path, etcd_client: u16, synchronous: bool) -> String {
-    let maximum_lag = if synchronous { 1_048_576 } else { 1 << 30 };
+    let maximum_lag: u64 = 1 << 30;
     format!(
         "scope: chaos
 name: {name}

@@ -9,6 +9,8 @@
 //! The services and the harness reach the server through proxies of their own, as through a
 //! virtual IP: a failover points both at the promoted standby. The standby, with `--failover`,
 //! streams through a third proxy, which the negative control stalls before the primary dies.
+//! Under `--ha patroni` there is no cluster of ours: both proxies front HAProxy, which routes to
+//! the Patroni leader ([`super::patroni`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -366,7 +366,8 @@ pub(crate) fn crash_spec() -> String {
 
 /// Starts every family's tasks, and the sampler of the gateway's and proxies' counters. The
 /// families draw their seeds from the run's generator in this order: the gateway's, the kills',
-/// the database's.
+/// the database's, then (under `--ha patroni` only, so that other runs keep their schedule)
+/// Patroni's.
 pub(crate) async fn start(
     stack: &Arc<Stack>,
     users: &[ClientUser],

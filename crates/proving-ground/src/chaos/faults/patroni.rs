@@ -144,12 +144,13 @@ async fn one(stack: &Stack, ha: &Patroni, url: &str, kind: &'static str) -> anyh
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .extend(from..=to);
-    back?;
     if kind == KILL_AGENT {
-        // The agent comes back, as its supervisor would bring it, once its lease has run out.
+        // The agent comes back, as its supervisor would bring it, once its lease has run out
+        // (whether or not the standby took over: the cluster must not stay leaderless).
         tokio::time::sleep(AGENT_DOWN.saturating_sub(started.elapsed())).await;
         ha.start_agent(leader)?;
     }
+    back?;
     let healthy = ha.wait_healthy(HEALTHY_LIMIT).await.map(|_| ());
     let _ = stop_probe.send(true);
     let gap = probe.await.unwrap_or_default();
@@ -232,10 +233,22 @@ async fn lose_the_stream(stack: &Stack, ha: &Patroni, leader: usize) -> anyhow::
         .parse::<sqlx::postgres::PgConnectOptions>()?
         .connect()
         .await?;
-    let receiver: i32 = sqlx::query_scalar("SELECT pid FROM pg_stat_wal_receiver")
-        .fetch_one(&mut conn)
-        .await
-        .context("find the standby's WAL receiver")?;
+    // A replica that has just rejoined may not stream yet.
+    let started = Instant::now();
+    let receiver: i32 = loop {
+        let found: Option<i32> =
+            sqlx::query_scalar("SELECT pid FROM pg_stat_wal_receiver WHERE status = 'streaming'")
+                .fetch_optional(&mut conn)
+                .await?;
+        if let Some(pid) = found {
+            break pid;
+        }
+        anyhow::ensure!(
+            started.elapsed() < HEALTHY_LIMIT,
+            "the standby's WAL receiver did not stream within {HEALTHY_LIMIT:?}"
+        );
+        tokio::time::sleep(PROBE_EVERY).await;
+    };
     conn.close().await?;
     let receiver = u32::try_from(receiver)?;
     signal(receiver, "STOP").await?;
