@@ -23,6 +23,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use sqlx::{ConnectOptions, Connection};
 use tokio::process::{Child, Command};
 
 use super::cluster;
@@ -241,7 +242,33 @@ impl Patroni {
             "/replica"
         };
         let response = self.http.get(standby.rest(path)).send().await.ok()?;
-        response.status().is_success().then_some(leader)
+        if !response.status().is_success() {
+            return None;
+        }
+        // Patroni's answer comes from its `/sync` key, which can name a standby that does not
+        // stream yet (after the leader's restart on a new timeline): the leader must see it
+        // streaming too.
+        let wanted = if self.synchronous { "sync" } else { "async" };
+        let mut conn = format!(
+            "postgres://postgres@{}/postgres",
+            self.nodes[leader].address()
+        )
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .ok()?
+        .connect()
+        .await
+        .ok()?;
+        let streaming: Option<i32> = sqlx::query_scalar(
+            "SELECT 1 FROM pg_stat_replication
+             WHERE application_name = $1 AND state = 'streaming' AND sync_state = $2",
+        )
+        .bind(standby.name)
+        .bind(wanted)
+        .fetch_optional(&mut conn)
+        .await
+        .ok()?;
+        let _ = conn.close().await;
+        streaming.map(|_| leader)
     }
 
     /// Waits until [`Patroni::healthy`], at most `limit`; returns the leader.
