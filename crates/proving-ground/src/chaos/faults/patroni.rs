@@ -53,15 +53,17 @@ const HEALTHY_LIMIT: Duration = Duration::from_secs(90);
 /// The longest a Patroni fault keeps writes away, with a margin (measured: up to 9.4 s, the
 /// agent's kill).
 const WRITES_AWAY_AT_MOST: Duration = Duration::from_secs(12);
-/// When the straddles need the database, from their start: from just before their keys'
-/// window ends (their held attempt is sent in its last second and a half) until their held
-/// charges are made and their retries have listed. A fault whose outage overlaps that span
-/// keeps the held attempt from the gateway, and the straddle's script then fails its customer's
-/// charges for good: a straddle is spoiled, and its key never finishes.
-const STRADDLES_NEED_FROM: Duration = GATEWAY_KEY_WINDOW.saturating_sub(Duration::from_secs(3));
-const STRADDLES_NEED_UNTIL: Duration = GATEWAY_KEY_WINDOW
+/// When a straddle needs the database, from its key's creation: from just before the key's
+/// window ends (its held attempt is sent in the window's last second and a half) until its held
+/// charge is made and its retries have listed. A fault whose outage overlaps that span keeps the
+/// held attempt from the gateway, and the straddle's script then fails its customer's charges
+/// for good: the straddle is spoiled, and its key never finishes.
+const STRADDLE_NEEDS_FROM: Duration = GATEWAY_KEY_WINDOW.saturating_sub(Duration::from_secs(3));
+const STRADDLE_NEEDS_UNTIL: Duration = GATEWAY_KEY_WINDOW
     .saturating_add(STRADDLE_HOLD)
     .saturating_add(Duration::from_secs(2));
+/// How long a fault waits for the straddles at most.
+const STRADDLES_WAIT: Duration = Duration::from_secs(120);
 /// How often the write probe writes, and how long one write may take.
 const PROBE_EVERY: Duration = Duration::from_millis(100);
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -77,10 +79,10 @@ pub(super) async fn start(stack: &Arc<Stack>, tasks: &mut JoinSet<()>) {
     };
     let Some(ha) = ha else { return };
     let rng = StdRng::seed_from_u64(stack.rng().random());
-    tasks.spawn(run(stack.clone(), ha, url, rng, Instant::now()));
+    tasks.spawn(run(stack.clone(), ha, url, rng));
 }
 
-async fn run(stack: Arc<Stack>, ha: Arc<Patroni>, url: String, mut rng: StdRng, started: Instant) {
+async fn run(stack: Arc<Stack>, ha: Arc<Patroni>, url: String, mut rng: StdRng) {
     let mut first = [KILL_LEADER, KILL_AGENT, SWITCHOVER];
     first.shuffle(&mut rng);
     for k in 0.. {
@@ -99,7 +101,7 @@ async fn run(stack: Arc<Stack>, ha: Arc<Patroni>, url: String, mut rng: StdRng, 
             .copied()
             .unwrap_or_else(|| first[rng.random_range(0..first.len())]);
         if stack.args.on(FaultFamily::Gateway) {
-            spare_the_straddles(started).await;
+            spare_the_straddles(&stack).await;
         }
         if stack.stop.load(Ordering::Relaxed) {
             return;
@@ -112,12 +114,28 @@ async fn run(stack: Arc<Stack>, ha: Arc<Patroni>, url: String, mut rng: StdRng, 
     }
 }
 
-/// Waits, if a fault now could keep writes away while the straddles need them, until they no
-/// longer do.
-async fn spare_the_straddles(started: Instant) {
-    let away_until = started.elapsed() + WRITES_AWAY_AT_MOST;
-    if away_until > STRADDLES_NEED_FROM && started.elapsed() < STRADDLES_NEED_UNTIL {
-        tokio::time::sleep(STRADDLES_NEED_UNTIL - started.elapsed()).await;
+/// Waits, while a fault now could keep writes away when an unfinished straddle needs them (its
+/// key's window, on the database's clock, which the services' windows run on), until none does.
+async fn spare_the_straddles(stack: &Stack) {
+    let started = Instant::now();
+    while started.elapsed() < STRADDLES_WAIT && !stack.stop.load(Ordering::Relaxed) {
+        let needed: Result<bool, _> = sqlx::query_scalar(
+            "SELECT EXISTS (
+                 SELECT 1 FROM idempotency_keys
+                 WHERE idempotency_key LIKE '%-straddle-%' AND finished_at IS NULL
+                   AND now() + $1 * interval '1 millisecond'
+                       > created_at + $2 * interval '1 millisecond'
+                   AND now() < created_at + $3 * interval '1 millisecond')",
+        )
+        .bind(WRITES_AWAY_AT_MOST.as_millis() as i64)
+        .bind(STRADDLE_NEEDS_FROM.as_millis() as i64)
+        .bind(STRADDLE_NEEDS_UNTIL.as_millis() as i64)
+        .fetch_one(&stack.pool)
+        .await;
+        if let Ok(false) = needed {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
