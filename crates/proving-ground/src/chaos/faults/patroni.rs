@@ -62,8 +62,9 @@ const STRADDLE_NEEDS_FROM: Duration = GATEWAY_KEY_WINDOW.saturating_sub(Duration
 const STRADDLE_NEEDS_UNTIL: Duration = GATEWAY_KEY_WINDOW
     .saturating_add(STRADDLE_HOLD)
     .saturating_add(Duration::from_secs(2));
-/// How long a fault waits for the straddles at most.
-const STRADDLES_WAIT: Duration = Duration::from_secs(120);
+/// How long a fault waits for the straddles at most: about one straddle's span, so that a run whose
+/// straddles start apart still makes all three kinds of fault before its clients are done.
+const STRADDLES_WAIT: Duration = Duration::from_secs(25);
 /// How often the write probe writes, and how long one write may take.
 const PROBE_EVERY: Duration = Duration::from_millis(100);
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
