@@ -223,3 +223,105 @@ fn taking_an_intermediarys_page_for_a_refusal_is_caught() {
     // The derived key still held: nothing was charged twice.
     assert_eq!(invariant(&report, "one_charge_per_key")["passed"], true);
 }
+
+/// Whether the Patroni pieces are installed; when they are not, a test of `--ha patroni` is
+/// skipped with a message, except under CI (`CI=true`), where it must run.
+fn patroni_installed(test: &str) -> bool {
+    let found = ["patroni", "etcd", "haproxy"].iter().all(|program| {
+        std::env::var_os("PATH").is_some_and(|paths| {
+            std::env::split_paths(&paths).any(|dir| dir.join(program).is_file())
+        })
+    });
+    if !found {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{test}: patroni, etcd or haproxy is not installed, and CI must run this test \
+             (scripts/chaos.sh --ha patroni installs them)"
+        );
+        eprintln!(
+            "{test}: SKIPPED: patroni, etcd or haproxy is not installed (Debian: apt-get \
+             install -y patroni etcd-server haproxy, or scripts/chaos.sh --ha patroni)"
+        );
+    }
+    found
+}
+
+#[test]
+fn under_patroni_every_fault_strikes_and_the_audit_passes() {
+    if !patroni_installed("under_patroni_every_fault_strikes_and_the_audit_passes") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("chaos-patroni-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let status = Command::new(env!("CARGO_BIN_EXE_chaos"))
+        // CI's run (.ci/run): seed 42, the default concurrency.
+        .args(["--requests", "300", "--seed", "42"])
+        .args(["--ha", "patroni", "--drop-database", "--report-dir"])
+        .arg(&dir)
+        .env("RUST_LOG", "warn")
+        .env("RUST_BACKTRACE", "0")
+        .status()
+        .expect("run chaos");
+    let run = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .find(|path| path.join("report.json").exists())
+        .expect("the run wrote a report");
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(run.join("report.json")).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    for kind in [
+        "patroni_kill_leader",
+        "patroni_kill_agent",
+        "patroni_switchover",
+    ] {
+        assert!(
+            report["faults"][kind].as_u64().unwrap_or(0) > 0,
+            "{kind}: {}",
+            report["faults"]
+        );
+    }
+    // The crash and the by-hand failover are Patroni's business here.
+    assert!(
+        report["faults"]["pg_crash_restart"].is_null(),
+        "{}",
+        report["faults"]
+    );
+    assert!(
+        report["faults"]["pg_failover"].is_null(),
+        "{}",
+        report["faults"]
+    );
+    let failed: Vec<_> = report["invariants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|check| check["passed"] != true)
+        .collect();
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(report["passed"], true);
+    assert!(status.success());
+}
+
+#[test]
+fn under_patroni_without_synchronous_mode_a_failover_loses_acknowledged_rides() {
+    if !patroni_installed(
+        "under_patroni_without_synchronous_mode_a_failover_loses_acknowledged_rides",
+    ) {
+        return;
+    }
+    let report = failed_control(
+        "patroni-async",
+        300,
+        &["--ha", "patroni", "--without", "sync-replication"],
+    );
+    assert!(
+        report["faults"]["patroni_kill_agent"].as_u64().unwrap_or(0) > 0,
+        "{}",
+        report["faults"]
+    );
+    // The leader acknowledged rides while the standby's receiver was stopped, then died; the
+    // promoted standby never had them, and the old leader's rewind threw them away.
+    let acknowledged = invariant(&report, "acknowledged_201_is_paid");
+    assert_eq!(acknowledged["passed"], false, "{acknowledged}");
+}

@@ -248,7 +248,7 @@ fn major_version(bin: &Path) -> Option<u32> {
 }
 
 /// The directory of the installed server binaries, 15 or later.
-fn server_binaries() -> anyhow::Result<PathBuf> {
+pub(crate) fn server_binaries() -> anyhow::Result<PathBuf> {
     let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .map(|dir| dir.flatten().map(|e| e.path().join("bin")).collect())
         .unwrap_or_default();
@@ -308,12 +308,12 @@ fn uid() -> Option<u32> {
         .ok()
 }
 
-fn is_root() -> bool {
+pub(crate) fn is_root() -> bool {
     uid() == Some(0)
 }
 
 /// Creates `data` empty, owned by the user the server runs as, mode 0700.
-fn prepare_dir(data: &Path) -> anyhow::Result<()> {
+pub(crate) fn prepare_dir(data: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(data).with_context(|| format!("create {}", data.display()))?;
     std::fs::set_permissions(data, std::fs::Permissions::from_mode(0o700))?;

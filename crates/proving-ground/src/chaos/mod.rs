@@ -9,7 +9,8 @@
 //!             worker (completer, drain, reaper)
 //!  api-i, worker ──PgProxy (cuts after COMMIT)──► the run's own PostgreSQL cluster
 //!                                                  (pg_terminate_backend, crash and restart;
-//!                                                   --failover: a synchronous standby, promoted)
+//!                                                   --failover: a synchronous standby, promoted;
+//!                                                   --ha patroni: HAProxy → the Patroni leader)
 //!  killers: SIGKILL api-i / worker at random · failpoints: crash at exact points (exit codes)
 //! ```
 //!
@@ -29,6 +30,7 @@
 //! | [`faults`] | the table of fault kinds, the sampler, and a file per family's tasks |
 //! | [`scenario`] | the phases: requests, calm, late questions, audit and report |
 //! | [`audit`] | the invariants, one function each |
+//! | [`patroni`] | `--ha patroni`: the database in a Patroni cluster behind HAProxy |
 
 mod audit;
 mod clients;
@@ -38,6 +40,7 @@ pub mod html;
 mod intermediary;
 mod leases;
 mod options;
+mod patroni;
 mod pgproxy;
 mod postgres;
 mod processes;
@@ -53,7 +56,7 @@ use anyhow::Context;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-pub use self::options::{ChaosArgs, FaultFamily, Sabotage};
+pub use self::options::{ChaosArgs, FaultFamily, Ha, Sabotage};
 use self::report::Report;
 use self::stack::Stack;
 

@@ -16,7 +16,9 @@ pub enum Sabotage {
     /// whose clients gave up stay unfinished.
     Completer,
     /// With `--failover`: replicate asynchronously, and stall the replication stream before the
-    /// primary dies, so that commits it acknowledged are lost with it.
+    /// primary dies, so that commits it acknowledged are lost with it. With `--ha patroni`:
+    /// `synchronous_mode: false`, and the standby's WAL receiver stopped before the leader's
+    /// agent and postmaster are killed.
     SyncReplication,
     /// Take a charge whose outcome is unknown (no answer within the gateway timeout, a
     /// connection cut before its answer was whole, a 5xx) for a decline: the request answers 402
@@ -45,6 +47,18 @@ pub enum Sabotage {
     /// the WAL writer for a second before PostgreSQL crashes, so that commits it acknowledged are
     /// lost with it. Needs the crash: the database faults on, without `--failover`.
     DurableCommit,
+}
+
+/// Where the service's database lives (`--ha`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum Ha {
+    /// A PostgreSQL cluster of the run's own, which the harness crashes (or with `--failover`
+    /// replicates and promotes by hand).
+    #[default]
+    None,
+    /// A Patroni cluster: two PostgreSQL nodes, one etcd member, HAProxy routing to the leader
+    /// by Patroni's REST health check; the services reach the database only through HAProxy.
+    Patroni,
 }
 
 /// A fault family that can be switched off.
@@ -116,8 +130,17 @@ pub struct ChaosArgs {
     /// Give the run's PostgreSQL a streaming standby with synchronous replication, and fail over
     /// to it half-way through the run: the primary is killed, the standby promoted, and the
     /// services reach it through the same address (instead of the crash and restart).
+    ///
+    /// Kept beside `--ha patroni`: it proves the asynchronous loss (its control) on a stream
+    /// cut at a known moment, with no daemon but PostgreSQL's, and the promotion it does by hand
+    /// is the bare mechanism Patroni automates.
     #[arg(long)]
     pub failover: bool,
+    /// Run the service's database under high availability: `patroni` (Patroni, etcd and
+    /// HAProxy, which must be installed; `scripts/chaos.sh --ha patroni` installs them). Its
+    /// leader is killed, its agent is killed and a switchover is made during the run.
+    #[arg(long, value_enum, default_value_t = Ha::None)]
+    pub ha: Ha,
 }
 
 impl ChaosArgs {
@@ -131,11 +154,21 @@ impl ChaosArgs {
         self.without.contains(&protection)
     }
 
+    /// Whether the database runs under Patroni (`--ha patroni`).
+    pub(crate) fn patroni(&self) -> bool {
+        self.ha == Ha::Patroni
+    }
+
     /// Refuses the combinations that would prove nothing, before anything starts.
     pub(crate) fn check(&self) -> anyhow::Result<()> {
         anyhow::ensure!(
-            self.failover || !self.without(Sabotage::SyncReplication),
-            "--without sync-replication sabotages a failover: give --failover too"
+            self.failover || self.patroni() || !self.without(Sabotage::SyncReplication),
+            "--without sync-replication sabotages a failover: give --failover or --ha patroni too"
+        );
+        anyhow::ensure!(
+            !(self.failover && self.patroni()),
+            "--failover promotes a standby by hand; under --ha patroni Patroni does that: give \
+             one of them"
         );
         anyhow::ensure!(
             !self.without(Sabotage::CommitWatch)
@@ -145,9 +178,9 @@ impl ChaosArgs {
         );
         anyhow::ensure!(
             !self.without(Sabotage::DurableCommit)
-                || (self.on(FaultFamily::Database) && !self.failover),
+                || (self.on(FaultFamily::Database) && !self.failover && !self.patroni()),
             "--without durable-commit shows what a crash of PostgreSQL loses: it needs the database \
-             faults on (no --no database) and no --failover"
+             faults on (no --no database), no --failover and no --ha patroni"
         );
         Ok(())
     }

@@ -9,14 +9,18 @@
 //! The services and the harness reach the server through proxies of their own, as through a
 //! virtual IP: a failover points both at the promoted standby. The standby, with `--failover`,
 //! streams through a third proxy, which the negative control stalls before the primary dies.
+//! Under `--ha patroni` there is no cluster of ours: both proxies front HAProxy, which routes to
+//! the Patroni leader ([`super::patroni`]).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use sqlx::{ConnectOptions, Connection, PgConnection};
 
 use super::cluster::{Cluster, Replication};
+use super::patroni::Patroni;
 use super::pgproxy::PgProxy;
 
 /// The service's database in the cluster.
@@ -26,7 +30,10 @@ const DATABASE: &str = "rocket_rides";
 const STANDBY_WAIT: Duration = Duration::from_secs(60);
 
 pub(crate) struct Postgres {
-    primary: Cluster,
+    /// The run's own primary; none under `--ha patroni`, where [`Postgres::ha`] holds the
+    /// servers.
+    primary: Option<Cluster>,
+    ha: Option<Arc<Patroni>>,
     standby: Option<Cluster>,
     services: PgProxy,
     harness: PgProxy,
@@ -50,10 +57,46 @@ impl Postgres {
             .start()
             .await
             .context("start the run's PostgreSQL")?;
-        let services = PgProxy::start(primary.address(), cut_probability, seed).await?;
-        let harness = PgProxy::start(primary.address(), 0.0, seed).await?;
+        let upstream = primary.address();
+        Self::behind(Some(primary), None, upstream, root, cut_probability, seed).await
+    }
+
+    /// The service's database in a Patroni cluster under `root` (its logs in `logs`): the
+    /// services and the harness reach it through HAProxy, which routes to the leader.
+    pub(crate) async fn start_patroni(
+        root: &Path,
+        logs: &Path,
+        synchronous: bool,
+        cut_probability: f64,
+        seed: u64,
+    ) -> anyhow::Result<Self> {
+        let ha = Patroni::start(&root.join("patroni"), logs, synchronous).await?;
+        let upstream = ha.address();
+        Self::behind(
+            None,
+            Some(Arc::new(ha)),
+            upstream,
+            root,
+            cut_probability,
+            seed,
+        )
+        .await
+    }
+
+    /// The proxies in front of `upstream`, and the service's database created there.
+    async fn behind(
+        primary: Option<Cluster>,
+        ha: Option<Arc<Patroni>>,
+        upstream: std::net::SocketAddr,
+        root: &Path,
+        cut_probability: f64,
+        seed: u64,
+    ) -> anyhow::Result<Self> {
+        let services = PgProxy::start(upstream, cut_probability, seed).await?;
+        let harness = PgProxy::start(upstream, 0.0, seed).await?;
         let this = Self {
             primary,
+            ha,
             standby: None,
             services,
             harness,
@@ -68,6 +111,17 @@ impl Postgres {
             .await?;
         admin.close().await?;
         Ok(this)
+    }
+
+    /// The Patroni cluster, under `--ha patroni`.
+    pub(crate) fn ha(&self) -> Option<Arc<Patroni>> {
+        self.ha.clone()
+    }
+
+    fn primary(&self) -> anyhow::Result<&Cluster> {
+        self.primary
+            .as_ref()
+            .context("the run's own primary (there is none under --ha patroni)")
     }
 
     async fn connect(&self, database: &str) -> anyhow::Result<PgConnection> {
@@ -122,7 +176,7 @@ impl Postgres {
     /// Adds a streaming standby, through a proxy, and waits until it streams (and, with
     /// synchronous replication, until the primary counts it as its synchronous standby).
     pub(crate) async fn add_standby(&mut self, replication: Replication) -> anyhow::Result<()> {
-        let proxy = PgProxy::start(self.primary.address(), 0.0, 0).await?;
+        let proxy = PgProxy::start(self.primary()?.address(), 0.0, 0).await?;
         let standby = Cluster::standby_of(proxy.local_addr(), &self.root, "standby").await?;
         standby.start().await.context("start the standby")?;
         self.replication = Some(proxy);
@@ -168,9 +222,9 @@ impl Postgres {
         if let Some(pid) = self.stalled_wal_writer.take() {
             super::processes::signal(pid, "KILL").await?;
         }
-        self.primary.crash().await?;
+        self.primary()?.crash().await?;
         tokio::time::sleep(down).await;
-        self.primary.start().await
+        self.primary()?.start().await
     }
 
     /// Stops the primary's WAL writer (SIGSTOP): asynchronous commits then stay in shared
@@ -202,20 +256,30 @@ impl Postgres {
             .standby
             .take()
             .context("a failover needs a standby (--failover)")?;
-        self.primary.crash().await?;
+        self.primary()?.crash().await?;
         standby.promote().await.context("promote the standby")?;
         self.services.set_upstream(standby.address());
         self.harness.set_upstream(standby.address());
-        let old = std::mem::replace(&mut self.primary, standby);
         // The old primary stays down: it is gone, as a failed machine would be.
-        old.destroy().await;
+        if let Some(old) = self.primary.replace(standby) {
+            old.destroy().await;
+        }
         Ok(())
     }
 
     /// Stops every server and deletes the clusters (or keeps them, stopped, for inspection).
     pub(crate) async fn finish(self, keep: bool) {
+        if let Some(ha) = self.ha {
+            // The fault tasks, which held the other references, are over.
+            match Arc::try_unwrap(ha) {
+                Ok(ha) => ha.finish(keep),
+                Err(ha) => drop(ha),
+            }
+        }
         if keep {
-            self.primary.keep().await;
+            if let Some(primary) = self.primary {
+                primary.keep().await;
+            }
             if let Some(standby) = self.standby {
                 standby.keep().await;
             }
@@ -225,7 +289,9 @@ impl Postgres {
             );
             return;
         }
-        self.primary.destroy().await;
+        if let Some(primary) = self.primary {
+            primary.destroy().await;
+        }
         if let Some(standby) = self.standby {
             standby.destroy().await;
         }

@@ -21,7 +21,7 @@ use crate::chaos::stack::Stack;
 const PG_DOWN: Duration = Duration::from_secs(1);
 /// How long `--failover` stalls replication before the primary dies (the negative control: at
 /// least).
-const REPLICATION_STALL: Duration = Duration::from_secs(2);
+pub(super) const REPLICATION_STALL: Duration = Duration::from_secs(2);
 /// The fault kind of a wait for the synchronous standby cancelled (`pg_cancel_backend`).
 pub(super) const CANCEL_SYNC_WAIT: &str = "pg_cancel_sync_wait";
 /// How long before the primary dies the waits for its stalled standby are cancelled: shorter
@@ -38,13 +38,14 @@ const ACKNOWLEDGED_IN_STALL: u64 = 5;
 const STALL_LIMIT: Duration = Duration::from_secs(10);
 /// How long after PostgreSQL is back its outage still explains 500s: connections broken by the
 /// outage are found broken as they are next used.
-const OUTAGE_GRACE_SECS: u32 = 2;
+pub(super) const OUTAGE_GRACE_SECS: u32 = 2;
 
 /// Starts the family's tasks: the outage when the family is on or with `--failover`, the
 /// killers of backends when the family is on.
 pub(super) fn start(stack: &Arc<Stack>, tasks: &mut JoinSet<()>) {
     let on = stack.args.on(FaultFamily::Database);
-    if on || stack.args.failover {
+    // Under Patroni, the agents restart and fail over PostgreSQL themselves (faults/patroni.rs).
+    if (on || stack.args.failover) && !stack.args.patroni() {
         tasks.spawn(outage(stack.clone()));
     }
     if on {
@@ -153,7 +154,7 @@ async fn cancel_sync_waits(pool: &sqlx::PgPool, window: Duration) -> u64 {
 
 /// Waits `at_least`, then until the clients have received [`ACKNOWLEDGED_IN_STALL`] more 201s
 /// than when it began (or [`STALL_LIMIT`] passed).
-async fn acknowledged_meanwhile(recorder: &Recorder, at_least: Duration) {
+pub(super) async fn acknowledged_meanwhile(recorder: &Recorder, at_least: Duration) {
     let acknowledged = || recorder.response_totals().get("201").copied().unwrap_or(0);
     let (from, started) = (acknowledged(), Instant::now());
     tokio::time::sleep(at_least).await;

@@ -9,6 +9,7 @@
 //! | gateway | the in-process gateway's faults; keys forgotten, a customer deleted | [`gateway`] |
 //! | network | the loopback proxies | [`network_faults`] |
 //! | database | backends terminated, commits cut, PostgreSQL crashed or failed over | [`database`] |
+//! | (`--ha patroni`) | the leader's postmaster or agent killed, a switchover | [`patroni`] |
 //!
 //! Faults drawn by the gateway and the proxies are counted by [`sample`], which reads their
 //! counters every second; the families' tasks, the supervised processes and the scripted
@@ -17,6 +18,7 @@
 mod database;
 mod gateway;
 mod kill;
+mod patroni;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -56,6 +58,11 @@ pub(crate) enum Required {
     WithFailover,
     /// With `--failover` and its standby synchronous (not `--without sync-replication`).
     WithSynchronousFailover,
+    /// With `--ha patroni`, whatever families are off.
+    WithPatroni,
+    /// When its family is on, unless `--ha patroni` (which makes no straddles, and whose run
+    /// in CI is short).
+    WithoutPatroni,
     /// When the gateway or the network faults are on: a lease is taken over only from a holder
     /// waiting on a slow gateway call, which slow charges or a slow network make.
     WithSlowCalls,
@@ -153,7 +160,12 @@ pub(crate) const FAULTS: &[FaultKind] = &[
     ),
     // Made by deleting a customer (faults/gateway.rs), counted as the gateway refuses.
     gateway("gateway_refuse", |_| {}, |c| c.refused),
-    task("gateway_forget_keys", FaultFamily::Gateway),
+    // Keys are forgotten 55 s after they finished: a short run under Patroni, which has no
+    // straddles to outlast, may end first.
+    FaultKind {
+        required: Required::WithoutPatroni,
+        ..task("gateway_forget_keys", FaultFamily::Gateway)
+    },
     gateway(
         "gateway_slow_past_heartbeat",
         |f| {
@@ -170,7 +182,10 @@ pub(crate) const FAULTS: &[FaultKind] = &[
         },
         |c| c.stalled_charges,
     ),
-    task(straddle::KIND, FaultFamily::Gateway),
+    FaultKind {
+        required: Required::WithoutPatroni,
+        ..task(straddle::KIND, FaultFamily::Gateway)
+    },
     // Drawn by the gateway, and scripted for a few requests (intermediary.rs).
     gateway(
         INTERMEDIARY_ANSWER,
@@ -225,6 +240,10 @@ pub(crate) const FAULTS: &[FaultKind] = &[
         required: Required::WithSynchronousFailover,
         ..task(database::CANCEL_SYNC_WAIT, FaultFamily::Database)
     },
+    // Patroni (faults/patroni.rs), with --ha patroni.
+    patroni(patroni::KILL_LEADER),
+    patroni(patroni::KILL_AGENT),
+    patroni(patroni::SWITCHOVER),
 ];
 
 /// The fault kind of an intermediary in front of the gateway answering on its own (HTML or an
@@ -251,6 +270,13 @@ const fn task(name: &'static str, family: FaultFamily) -> FaultKind {
         required: Required::Always,
         ambient: false,
         injection: Injection::Task,
+    }
+}
+
+const fn patroni(name: &'static str) -> FaultKind {
+    FaultKind {
+        required: Required::WithPatroni,
+        ..task(name, FaultFamily::Database)
     }
 }
 
@@ -299,11 +325,13 @@ pub(crate) fn configured(args: &ChaosArgs) -> Vec<&'static str> {
         .iter()
         .filter(|kind| match kind.required {
             Required::Always => args.on(kind.family),
-            Required::WithoutFailover => args.on(kind.family) && !args.failover,
+            Required::WithoutFailover => args.on(kind.family) && !args.failover && !args.patroni(),
             Required::WithFailover => args.failover,
             Required::WithSynchronousFailover => {
                 args.failover && !args.without(super::options::Sabotage::SyncReplication)
             }
+            Required::WithPatroni => args.patroni(),
+            Required::WithoutPatroni => args.on(kind.family) && !args.patroni(),
             Required::WithSlowCalls => args.on(kind.family) && slow_calls,
             Required::Never => false,
         })
@@ -359,7 +387,8 @@ pub(crate) fn crash_spec() -> String {
 
 /// Starts every family's tasks, and the sampler of the gateway's and proxies' counters. The
 /// families draw their seeds from the run's generator in this order: the gateway's, the kills',
-/// the database's.
+/// the database's, then (under `--ha patroni` only, so that other runs keep their schedule)
+/// Patroni's.
 pub(crate) async fn start(
     stack: &Arc<Stack>,
     users: &[ClientUser],
@@ -369,6 +398,7 @@ pub(crate) async fn start(
     gateway::start(stack, users, &mut tasks).await?;
     kill::start(stack, spared, &mut tasks)?;
     database::start(stack, &mut tasks);
+    patroni::start(stack, &mut tasks).await;
     tasks.spawn(sample(stack.clone()));
     Ok(tasks)
 }
