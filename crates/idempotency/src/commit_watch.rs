@@ -14,7 +14,8 @@
 //!
 //! sqlx hands such warnings to `tracing` only, as events of the target `sqlx::postgres::notice`,
 //! raised while the `COMMIT`'s future is polled. [`CommitWatch`] is a `tracing` layer that
-//! catches the one warning while the store commits, and the store then reports the commit as
+//! catches a warning while the store commits (any warning: the server translates its text, and a
+//! commit sends no other), and the store then reports the commit as
 //! [`Error::CommitUnconfirmed`](crate::Error::CommitUnconfirmed) instead of a success: the
 //! outcome is unknown, the application answers like for a lost connection (a `503`, and the
 //! key resumes on the retry).
@@ -36,12 +37,13 @@
 //! (`RUST_LOG=sqlx=error` through `EnvFilter` as a global layer) would silence its warning too,
 //! so give the application's own filter to its own layer (`fmt_layer.with_filter(filter)`).
 //! [`installed`] tells whether the current subscriber has the layer and lets the warning
-//! through; a service that runs with a synchronous standby checks it at startup.
+//! through, and [`check`] refuses a pool whose `client_min_messages` keeps the server from
+//! sending warnings at all: a service checks both at startup.
 //!
 //! What it cannot do: a *replay* reads what the primary has, and a key whose final commit's
 //! wait was cancelled is finished on the primary at once. A retry that comes before the standby
-//! caught up replays an answer the next failover may lose. Clients retry after `Retry-After`;
-//! a failover that follows a cancelled wait within that time is the remaining window.
+//! caught up replays an answer the next failover may lose: waits are cancelled when the standby
+//! is away, so the window lasts until it is back.
 
 use std::cell::RefCell;
 use std::future::Future;
@@ -50,15 +52,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Metadata, Subscriber};
 use tracing_subscriber::filter::filter_fn;
 use tracing_subscriber::layer::Layer;
 
 /// The target of sqlx's events for the server's notices and warnings.
 const NOTICE_TARGET: &str = "sqlx::postgres::notice";
-/// How PostgreSQL's warning begins (its `DETAIL` is not part of sqlx's event).
-const CANCELLED_WAIT: &str = "canceling wait for synchronous replication";
 
 thread_local! {
     /// The flag of the commit being polled on this thread, if the store is polling one.
@@ -92,12 +91,11 @@ pub fn installed() -> bool {
 
 impl<S: Subscriber> Layer<S> for CommitWatch {
     fn on_event(&self, event: &Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        if event.metadata().target() != NOTICE_TARGET {
-            return;
-        }
-        let mut message = Message(false);
-        event.record(&mut message);
-        if message.0 {
+        // Any warning of the server while the store commits, not only the English text: the
+        // server translates it (`lc_messages`), and a commit sends no other warning. A false
+        // alarm costs a 503 and a resumed key; a missed one, a write a failover may lose.
+        let metadata = event.metadata();
+        if metadata.target() == NOTICE_TARGET && *metadata.level() == Level::WARN {
             WATCHED.with(|watched| {
                 if let Some(flag) = &*watched.borrow() {
                     flag.store(true, Ordering::Relaxed);
@@ -107,23 +105,34 @@ impl<S: Subscriber> Layer<S> for CommitWatch {
     }
 }
 
-/// Whether an event's message is the warning of a cancelled wait.
-struct Message(bool);
-
-impl Visit for Message {
-    fn record_str(&mut self, field: &Field, value: &str) {
-        if field.name() == "message" {
-            self.0 |= value.starts_with(CANCELLED_WAIT);
-        }
+/// Refuses a connection on which the server's warning of a cancelled wait cannot reach the
+/// commit watch: the watch not in the current subscriber ([`installed`]), or
+/// `client_min_messages` above `warning` (set for the role, the database or in the URL's
+/// `options`), which keeps the server from sending warnings at all. Call it at startup, on the
+/// pool the store writes through: every connection of a pool gets the same settings.
+pub async fn check(pool: &sqlx::PgPool) -> Result<(), crate::Error> {
+    if !installed() {
+        return Err(crate::Error::InvalidConfig(
+            "the commit watch is not in the current tracing subscriber (add \
+             idempotency::commit_watch::layer() to it, with the log's filter on the log's own \
+             layer): a commit whose wait for a synchronous standby was cancelled would be taken \
+             for a success"
+                .into(),
+        ));
     }
-
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        if field.name() == "message" {
-            self.0 |= format!("{value:?}")
-                .trim_matches('"')
-                .starts_with(CANCELLED_WAIT);
-        }
+    let level: String = sqlx::query_scalar("SELECT current_setting('client_min_messages')")
+        .persistent(false)
+        .fetch_one(pool)
+        .await
+        .map_err(crate::Error::db("read client_min_messages"))?;
+    if matches!(level.as_str(), "error" | "fatal" | "panic") {
+        return Err(crate::Error::InvalidConfig(format!(
+            "client_min_messages is {level:?} on the store's connections: the server then sends \
+             no warning, and a commit whose wait for a synchronous standby was cancelled would \
+             be taken for a success; set it to warning or lower for the service's role"
+        )));
     }
+    Ok(())
 }
 
 /// Runs `commit` and tells whether the server warned, while it ran, that its wait for the
@@ -150,10 +159,18 @@ impl<F: Future> Future for Watched<'_, F> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let flag = self.flag.clone();
-        let outer = WATCHED.with(|watched| watched.borrow_mut().replace(flag));
-        let poll = self.inner.as_mut().poll(cx);
+        let _restore = Restore(WATCHED.with(|watched| watched.borrow_mut().replace(flag)));
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+/// Puts back the flag that was watched before a poll, when the poll ends (or unwinds).
+struct Restore(Option<Arc<AtomicBool>>);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let outer = self.0.take();
         WATCHED.with(|watched| *watched.borrow_mut() = outer);
-        poll
     }
 }
 
@@ -162,6 +179,17 @@ mod tests {
     use tracing_subscriber::layer::SubscriberExt;
 
     use super::*;
+
+    /// Whether `future` panicked when polled.
+    async fn futures_unwind<F: Future + std::panic::UnwindSafe>(future: F) -> bool {
+        let mut future = std::pin::pin!(future);
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = future.as_mut().poll(&mut cx);
+        }))
+        .is_err()
+    }
 
     fn warn_as_sqlx_does(message: &str) {
         tracing::warn!(target: "sqlx::postgres::notice", message);
@@ -176,9 +204,16 @@ mod tests {
         let ((), seen) = watched(async { warn_as_sqlx_does(cancelled) }).await;
         assert!(seen, "the warning inside the commit is seen");
 
-        let ((), seen) =
-            watched(async { warn_as_sqlx_does("there is no transaction in progress") }).await;
-        assert!(!seen, "another warning is not that one");
+        // Translated (`lc_messages = 'de_DE.UTF-8'`), it is still the server's warning.
+        let german = "storniere Warten auf synchrone Replikation wegen Benutzeraufforderung";
+        let ((), seen) = watched(async { warn_as_sqlx_does(german) }).await;
+        assert!(seen, "a translated warning is seen");
+
+        let ((), seen) = watched(async {
+            tracing::info!(target: "sqlx::postgres::notice", message = "a notice")
+        })
+        .await;
+        assert!(!seen, "a notice is no warning");
 
         warn_as_sqlx_does(cancelled);
         let ((), seen) = watched(async {}).await;
@@ -187,6 +222,15 @@ mod tests {
         let ((), seen) =
             watched(async { tracing::warn!(target: "elsewhere", "{cancelled}") }).await;
         assert!(!seen, "the text under another target is not the server's");
+
+        // A commit watched inside another: the warning is the inner one's only.
+        let (((), inner), outer) = watched(watched(async { warn_as_sqlx_does(cancelled) })).await;
+        assert!(inner && !outer);
+
+        // A poll that unwinds leaves no flag behind.
+        let unwound = std::panic::AssertUnwindSafe(watched(async { panic!("in the commit") }));
+        assert!(futures_unwind(unwound).await);
+        assert!(WATCHED.with(|w| w.borrow().is_none()));
     }
 
     #[tokio::test]

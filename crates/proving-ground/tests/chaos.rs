@@ -254,8 +254,8 @@ fn under_patroni_every_fault_strikes_and_the_audit_passes() {
     let dir = std::env::temp_dir().join(format!("chaos-patroni-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let status = Command::new(env!("CARGO_BIN_EXE_chaos"))
-        // CI's run (.ci/run): seed 42, the default concurrency.
-        .args(["--requests", "300", "--seed", "42"])
+        // As CI's run (.ci/run, seed 42), with another seed.
+        .args(["--requests", "600", "--seed", "7"])
         .args(["--ha", "patroni", "--drop-database", "--report-dir"])
         .arg(&dir)
         .env("RUST_LOG", "warn")

@@ -338,6 +338,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?
                 .with_key_retention(worker.key_retention)?
                 .with_statements(db.pooler.database_pooler.statements());
+            refuse_an_unseen_cancelled_wait(&state).await?;
             if once {
                 crate::worker::run_once(&state, &worker).await?;
             } else {
@@ -438,6 +439,24 @@ struct Serving {
 
 /// `rocket-rides serve`: the API (and its metrics listener) until SIGTERM or SIGINT, then the
 /// two-step shutdown.
+/// Refuses to run where a commit whose wait for a synchronous standby was cancelled would be
+/// taken for a success: the commit watch missing from the subscriber, or `client_min_messages`
+/// keeping the server's warnings away ([`idempotency::commit_watch::check`]). A database that
+/// does not answer yet is only logged: the pool waits for it, and the check is the settings'.
+async fn refuse_an_unseen_cancelled_wait(state: &AppState) -> anyhow::Result<()> {
+    if state.failpoints.no_commit_watch() {
+        return Ok(());
+    }
+    match idempotency::commit_watch::check(&state.pool).await {
+        Ok(()) => Ok(()),
+        Err(e @ idempotency::Error::InvalidConfig(_)) => Err(anyhow::Error::new(e)),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not check client_min_messages yet");
+            Ok(())
+        }
+    }
+}
+
 async fn serve(settings: Serving) -> anyhow::Result<()> {
     let Serving {
         db,
@@ -459,6 +478,7 @@ async fn serve(settings: Serving) -> anyhow::Result<()> {
     let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?
         .with_key_retention(retention.key_retention)?
         .with_statements(db.pooler.database_pooler.statements());
+    refuse_an_unseen_cancelled_wait(&state).await?;
     state.http = http.clone();
     let listener = tokio::net::TcpListener::bind(listen)
         .await

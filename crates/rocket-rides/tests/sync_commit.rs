@@ -18,7 +18,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{TestApp, RIDE};
-use fakestripe::Faults;
 use rocket_rides::problem::types;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
@@ -259,14 +258,13 @@ async fn book_with_cancelled_waits(
             app.post_ride(Some(&api_key), Some("k-sync"), RIDE).await
         }
         WaitsFrom::AfterTheCharge => {
-            app.set_faults(Faults {
-                latency_ms: 2_000,
-                ..Faults::default()
-            });
+            // The charge waits at the gateway's gate until the standby is named.
+            app.gateway.hold_charges();
             let booking = app.post_ride(Some(&api_key), Some("k-sync"), RIDE);
             let naming = async {
-                app.wait_for_point(user_id, "ride_created").await;
+                app.gateway.charges_held(1).await;
                 synchronous(&admin, true).await;
+                app.gateway.release_charges();
             };
             let (reply, ()) = tokio::join!(booking, naming);
             reply
@@ -434,4 +432,51 @@ async fn a_statement_timeout_does_not_end_a_wait_for_the_standby() {
         .await
         .unwrap();
     assert_eq!(rows, 1);
+}
+
+/// A pool whose `client_min_messages` keeps the server's warnings away (for the role, the
+/// database, or in the URL's `options`) cannot see a cancelled wait: the check refuses it, and
+/// `serve` does not start on it.
+#[tokio::test(flavor = "current_thread")]
+async fn the_commit_watch_refuses_connections_that_hide_the_servers_warnings() {
+    let url = std::env::var("DATABASE_URL").expect("DATABASE_URL is set for the tests");
+    let base: PgConnectOptions = url.parse().unwrap();
+    let _watch = watched();
+    let warned = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(base.clone())
+        .await
+        .unwrap();
+    idempotency::commit_watch::check(&warned).await.unwrap();
+    let hidden = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(base.options([("client_min_messages", "error")]))
+        .await
+        .unwrap();
+    let refused = idempotency::commit_watch::check(&hidden).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("client_min_messages"),
+        "{refused}"
+    );
+
+    // The binary: refused at startup, before it listens.
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let out = Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .env(
+            "DATABASE_URL",
+            format!("{url}{separator}options=-c%20client_min_messages%3Derror"),
+        )
+        .env("STRIPE_API_KEY", "sk_test_unused")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("client_min_messages"), "{stderr}");
 }

@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use super::claim::is_referenced;
 use super::model::{lease_from_row, Lease, RecoveryPoint, Store};
+use crate::commit_watch::watched;
 use crate::{Error, Owner};
 
 /// How many candidates the completer reads per key it wants: the read takes no locks, so some
@@ -113,12 +114,28 @@ impl Store {
             .bind(&owner)
             .bind(key_id)
             .persistent(self.persistent())
-            .fetch_optional(db.conn())
-            .await
-            .map_err(Error::db(context()))?;
-            db.done().await.map_err(Error::db(context()))?;
+            .fetch_optional(db.conn());
+            // Outside a transaction the takeover commits by itself, and with Statements::Unnamed
+            // its transaction's commit: either one whose wait for the synchronous standby was
+            // cancelled is not a lease to run the application's closure under. The key is left
+            // to its lease's end, and the next pass.
+            let (row, cancelled) = watched(row).await;
+            let row = row.map_err(Error::db(context()))?;
+            let confirmed = match db.confirmed(context()).await {
+                Ok(()) => !cancelled,
+                Err(Error::CommitUnconfirmed { .. }) => false,
+                Err(e) => return Err(e),
+            };
             if let Some(row) = row {
-                leases.push(lease_from_row(&row, Owner::stored(owner), asked_at));
+                if confirmed {
+                    leases.push(lease_from_row(&row, Owner::stored(owner), asked_at));
+                } else {
+                    tracing::warn!(
+                        key_id,
+                        "the completer's claim committed, but its wait for the synchronous \
+                         standby was cancelled: the key is left to its lease's end"
+                    );
+                }
             }
         }
         Ok(leases)
