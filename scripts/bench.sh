@@ -6,6 +6,11 @@
 #   scripts/bench.sh                                   # every scenario at c1, c8, c32, 5 s each
 #   scripts/bench.sh --duration 20s --concurrency 8 --scenario create,baseline
 #
+# The pooled scenarios (create_pooled, replay_pooled: the service behind a PgBouncer in
+# transaction pooling with DATABASE_POOLER=transaction) are in the default set; the run starts
+# that PgBouncer through scripts/pgbouncer.sh (which installs pgbouncer where it is missing) and
+# stops it at its end, and fails if it cannot start one.
+#
 # Prints a table; writes target/bench/<run>/report.json. Exits non-zero only when a correctness
 # check of the run failed (a storm key booked twice, a charge without its ride), never on speed.
 set -euo pipefail

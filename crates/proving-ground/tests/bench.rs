@@ -1,5 +1,6 @@
 //! The benchmark, run briefly against the debug builds: it must run, and the work it counts per
-//! request is the design's, whatever the speed. Nothing here looks at a rate or a latency.
+//! request is the design's, whatever the speed, straight to PostgreSQL and behind a PgBouncer in
+//! transaction pooling alike. Nothing here looks at a rate or a latency.
 
 use std::path::Path;
 use std::process::Command;
@@ -7,16 +8,36 @@ use std::process::Command;
 use serde_json::Value;
 
 fn run_bench(report_dir: &Path) -> Value {
-    let status = Command::new(env!("CARGO_BIN_EXE_bench"))
+    let output = Command::new(env!("CARGO_BIN_EXE_bench"))
         .args(["--duration", "1s", "--warmup", "1s", "--concurrency", "2"])
-        .args(["--scenario", "create,replay,storm", "--users", "2"])
+        .args([
+            "--scenario",
+            "create,replay,create_pooled,replay_pooled,storm",
+            "--users",
+            "2",
+        ])
         .arg("--report-dir")
         .arg(report_dir)
         .env("RUST_LOG", "error")
         .env("RUST_BACKTRACE", "0")
-        .status()
+        .output()
         .expect("run bench");
-    assert!(status.success(), "bench failed: {status}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    eprintln!("{stderr}");
+    assert!(output.status.success(), "bench failed: {}", output.status);
+    // The run's PgBouncer is stopped at its end: nothing listens on its port any more.
+    let pooler = stderr
+        .lines()
+        .find_map(|line| line.strip_prefix("bench: PgBouncer in transaction pooling at "))
+        .expect("the run started a PgBouncer");
+    let port = pooler
+        .rsplit_once(':')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .expect("a port in the pooler's URL");
+    assert!(
+        std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_err(),
+        "the PgBouncer at {pooler} still listens after the run"
+    );
     let run = std::fs::read_dir(report_dir)
         .unwrap()
         .map(|entry| entry.unwrap().path())
@@ -81,5 +102,102 @@ fn a_booking_takes_four_transactions_a_replay_two_reads_and_key_updates_are_hot(
     );
 
     assert_eq!(report["storm"]["concurrency"], 64);
+
+    // Behind PgBouncer in transaction pooling: the same answers and the same work per request.
+    let measurement = |scenario: &str| {
+        report["measurements"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["scenario"] == scenario)
+            .unwrap_or_else(|| panic!("no {scenario} measurement"))
+            .clone()
+    };
+    let answers = |m: &Value| {
+        m["answers"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let create_pooled = measurement("create_pooled");
+    assert!(create_pooled["requests"].as_u64().unwrap() > 0);
+    assert_eq!(answers(&create_pooled), ["201"]);
+    let per_create = create_pooled["transactions_per_request"].as_f64().unwrap();
+    assert!(
+        (3.95..=4.2).contains(&per_create),
+        "{per_create} transactions per booking through the pooler"
+    );
+    let replay_pooled = measurement("replay_pooled");
+    assert!(replay_pooled["requests"].as_u64().unwrap() > 0);
+    assert_eq!(answers(&replay_pooled), ["201 replayed"]);
+    assert_eq!(replay_pooled["key_updates"].as_i64().unwrap(), 0);
+    let checks = report["checks"].as_array().unwrap();
+    assert!(
+        checks
+            .iter()
+            .any(|c| c["name"] == "pooled_answers" && c["passed"] == true),
+        "{checks:#?}"
+    );
+    let pooler: Vec<(&str, u64)> = report["pooler"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            assert!(r["pooled_vs_direct"].as_f64().unwrap() > 0.0, "{r}");
+            (
+                r["scenario"].as_str().unwrap(),
+                r["concurrency"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(pooler, [("create", 2), ("replay", 2)]);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run that names the pooled scenarios and cannot start its PgBouncer fails, saying so, before
+/// it measures anything (no report).
+#[test]
+fn a_pooled_run_without_pgbouncer_fails_with_a_clear_message() {
+    let dir = std::env::temp_dir().join(format!("bench-no-pooler-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let output = Command::new(env!("CARGO_BIN_EXE_bench"))
+        .args(["--duration", "1s", "--warmup", "1s", "--concurrency", "1"])
+        .args(["--scenario", "create,create_pooled", "--users", "1"])
+        .args(["--pgbouncer-script", "/bin/false"])
+        .arg("--report-dir")
+        .arg(&dir)
+        .env("RUST_LOG", "error")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run bench");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "bench passed without a PgBouncer");
+    assert!(
+        stderr.contains("could not start a PgBouncer") && stderr.contains("create_pooled"),
+        "{stderr}"
+    );
+    let reports = walk(&dir)
+        .into_iter()
+        .filter(|p| p.ends_with("report.json"))
+        .count();
+    assert_eq!(reports, 0, "a report was written");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flat_map(|e| {
+            let path = e.unwrap().path();
+            if path.is_dir() {
+                walk(&path)
+            } else {
+                vec![path]
+            }
+        })
+        .collect()
 }

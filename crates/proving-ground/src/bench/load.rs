@@ -30,6 +30,15 @@ pub enum Scenario {
     Storm,
     /// `POST /bench/rides`: the same booking without idempotency (a `bench` build only).
     Baseline,
+    /// `create` with the service behind a PgBouncer in transaction pooling
+    /// (`DATABASE_POOLER=transaction`).
+    #[value(name = "create_pooled")]
+    #[serde(rename = "create_pooled")]
+    CreatePooled,
+    /// `replay` with the service behind a PgBouncer in transaction pooling.
+    #[value(name = "replay_pooled")]
+    #[serde(rename = "replay_pooled")]
+    ReplayPooled,
 }
 
 impl Scenario {
@@ -39,6 +48,22 @@ impl Scenario {
             Self::Replay => "replay",
             Self::Storm => "storm",
             Self::Baseline => "baseline",
+            Self::CreatePooled => "create_pooled",
+            Self::ReplayPooled => "replay_pooled",
+        }
+    }
+
+    /// The service runs behind the run's PgBouncer.
+    pub(crate) fn pooled(self) -> bool {
+        matches!(self, Self::CreatePooled | Self::ReplayPooled)
+    }
+
+    /// The scenario whose requests this one sends.
+    pub(crate) fn requests(self) -> Self {
+        match self {
+            Self::CreatePooled => Self::Create,
+            Self::ReplayPooled => Self::Replay,
+            other => other,
         }
     }
 }
@@ -160,6 +185,7 @@ pub(crate) async fn run(
     duration: Duration,
     target: &Target,
 ) -> anyhow::Result<Outcome> {
+    let scenario = scenario.requests();
     if scenario == Scenario::Storm {
         return storm(warmup, duration, target).await;
     }
@@ -177,7 +203,10 @@ pub(crate) async fn run(
                 let key = match scenario {
                     Scenario::Create => Some(format!("{}-{client_index}-{sent}", target.tag)),
                     Scenario::Replay => Some(REPLAYED_KEY.to_owned()),
-                    Scenario::Baseline | Scenario::Storm => None,
+                    Scenario::Baseline
+                    | Scenario::Storm
+                    | Scenario::CreatePooled
+                    | Scenario::ReplayPooled => None,
                 };
                 let path = if scenario == Scenario::Baseline {
                     "/bench/rides"

@@ -16,15 +16,21 @@
 //! transactions, the server's WAL bytes, the CPU time of the service, the gateway, PostgreSQL
 //! and the clients themselves; and for the key table, the share of its updates that were HOT.
 //!
-//! The benchmark checks its own results too: every storm key booked once, and one gateway
-//! charge per paid ride. It asserts nothing about speed.
+//! `create_pooled` and `replay_pooled` send `create`'s and `replay`'s requests to a service
+//! behind a PgBouncer in transaction pooling (`DATABASE_POOLER=transaction`), started by the run
+//! through `scripts/pgbouncer.sh` when they are selected and stopped at its end; the report
+//! gives each one's rate against the direct scenario's at the same concurrency.
+//!
+//! The benchmark checks its own results too: every storm key booked once, one gateway charge
+//! per paid ride, and every pooled request answered as its direct twin would be. It asserts
+//! nothing about speed.
 
 mod load;
 mod probe;
 pub mod report;
 mod stack;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,9 +65,13 @@ pub struct BenchArgs {
         long,
         value_delimiter = ',',
         value_enum,
-        default_value = "create,replay,storm,baseline"
+        default_value = "create,replay,create_pooled,replay_pooled,storm,baseline"
     )]
     pub scenario: Vec<Scenario>,
+    /// The script that starts a PgBouncer in transaction pooling in front of DATABASE_URL's
+    /// server and prints its URL (and stops it with `--stop URL`); the pooled scenarios only.
+    #[arg(long, env = "PGBOUNCER_SCRIPT", default_value = DEFAULT_PGBOUNCER_SCRIPT)]
+    pub pgbouncer_script: PathBuf,
     /// Users the clients spread over.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub users: u16,
@@ -90,6 +100,54 @@ pub struct BenchArgs {
     pub keep_databases: bool,
 }
 
+/// `scripts/pgbouncer.sh` of the source tree this program was built from.
+const DEFAULT_PGBOUNCER_SCRIPT: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/pgbouncer.sh");
+
+/// A PgBouncer in transaction pooling for the run, stopped when dropped (on every way out of
+/// the run, errors and panics included).
+struct Pooler {
+    script: PathBuf,
+    url: String,
+}
+
+impl Pooler {
+    fn start(script: &Path, server_url: &str) -> anyhow::Result<Self> {
+        let advice = "the pooled scenarios (create_pooled, replay_pooled) need a PgBouncer; \
+                      leave them out with --scenario to run without one";
+        let output = std::process::Command::new(script)
+            .arg(server_url)
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("run {}: {advice}", script.display()))?;
+        let url = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+        anyhow::ensure!(
+            output.status.success() && !url.is_empty(),
+            "{} could not start a PgBouncer ({}; its messages are above): {advice}",
+            script.display(),
+            output.status
+        );
+        eprintln!("bench: PgBouncer in transaction pooling at {url}");
+        Ok(Self {
+            script: script.to_owned(),
+            url,
+        })
+    }
+}
+
+impl Drop for Pooler {
+    fn drop(&mut self) {
+        let stopped = std::process::Command::new(&self.script)
+            .args(["--stop", &self.url])
+            .stdin(std::process::Stdio::null())
+            .status();
+        if !matches!(stopped, Ok(status) if status.success()) {
+            eprintln!("bench: could not stop the PgBouncer at {}", self.url);
+        }
+    }
+}
+
 fn parse_bounded_duration(s: &str) -> Result<Duration, String> {
     let d = rocket_rides::config::parse_duration(s)?;
     if d < Duration::from_secs(1) || d > Duration::from_secs(600) {
@@ -111,9 +169,13 @@ struct Subject {
     name: &'static str,
     programs: Programs,
     databases: Databases,
+    /// The service's database through the run's PgBouncer, when pooled scenarios run.
+    pooled_url: Option<String>,
     api_keys: Arc<Vec<String>>,
     /// A life of its stack without load: what every measurement subtracts.
     fixed: Counters,
+    /// The same, of a life behind the PgBouncer.
+    fixed_pooled: Counters,
     logs: PathBuf,
     storm_keys: Vec<String>,
     storm_violations: Vec<String>,
@@ -151,6 +213,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
         + &format!("_{}", std::process::id());
     let dir = args.report_dir.join(&run);
     eprintln!("bench: run {run}, logs in {}", dir.display());
+    // Before anything is created: a run that cannot have its PgBouncer fails at once.
+    let pooler = if scenarios.iter().any(|s| s.pooled()) {
+        Some(Pooler::start(&args.pgbouncer_script, &args.database_url)?)
+    } else {
+        None
+    };
 
     let mut subjects = Vec::new();
     let mut result = Ok(());
@@ -165,12 +233,25 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
                 break;
             }
         };
+        let pooled_url = match &pooler {
+            Some(pooler) => match databases.service_url_through(&pooler.url) {
+                Ok(url) => Some(url),
+                Err(e) => {
+                    result = Err(e);
+                    databases.drop_all().await;
+                    break;
+                }
+            },
+            None => None,
+        };
         let mut subject = Subject {
             name,
             programs,
             databases,
+            pooled_url,
             api_keys: Arc::default(),
             fixed: Counters::default(),
+            fixed_pooled: Counters::default(),
             logs,
             storm_keys: Vec::new(),
             storm_violations: Vec::new(),
@@ -197,6 +278,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
             databases.drop_all().await;
         }
     }
+    drop(pooler);
     let report = report?;
     report.write_json(&dir.join("report.json"))?;
     eprintln!("bench: report in {}", dir.join("report.json").display());
@@ -214,7 +296,7 @@ async fn prepare(args: &BenchArgs, subject: &mut Subject) -> anyhow::Result<()> 
     )
     .await?;
     subject.api_keys = Arc::new(keys);
-    let stack = Stack::start(&subject.programs, &subject.databases, &subject.logs).await?;
+    let stack = Stack::start(&subject.programs, &subject.databases, None, &subject.logs).await?;
     let booked = load::book_replayed_key(&Target {
         base: stack.base.clone(),
         api_keys: subject.api_keys.clone(),
@@ -224,13 +306,28 @@ async fn prepare(args: &BenchArgs, subject: &mut Subject) -> anyhow::Result<()> 
     stack.stop().await?;
     booked?;
     let before = probe::counters_at_rest(&mut subject.databases).await?;
-    Stack::start(&subject.programs, &subject.databases, &subject.logs)
+    Stack::start(&subject.programs, &subject.databases, None, &subject.logs)
         .await?
         .stop()
         .await?;
     subject.fixed = probe::counters_at_rest(&mut subject.databases)
         .await?
         .since(before);
+    if let Some(pooled) = subject.pooled_url.clone() {
+        let before = probe::counters_at_rest(&mut subject.databases).await?;
+        Stack::start(
+            &subject.programs,
+            &subject.databases,
+            Some(&pooled),
+            &subject.logs,
+        )
+        .await?
+        .stop()
+        .await?;
+        subject.fixed_pooled = probe::counters_at_rest(&mut subject.databases)
+            .await?
+            .since(before);
+    }
     Ok(())
 }
 
@@ -281,6 +378,7 @@ async fn measure_all(
         }
         checks.push(charge_check(subject).await?);
     }
+    checks.extend(report::pooled_answers_checks(&measurements));
     let mut report = Report {
         run: run.to_owned(),
         service_version: subjects[0].programs.service_version.clone(),
@@ -295,6 +393,7 @@ async fn measure_all(
         storm: None,
         baseline: None,
         ratios: Vec::new(),
+        pooler: Vec::new(),
         comparison: Vec::new(),
         measurements,
         checks,
@@ -314,7 +413,23 @@ async fn measure_one(
     postmaster: Option<u32>,
 ) -> anyhow::Result<Measurement> {
     let before = probe::counters_at_rest(&mut subject.databases).await?;
-    let stack = Stack::start(&subject.programs, &subject.databases, &subject.logs).await?;
+    let pooled = if scenario.pooled() {
+        Some(
+            subject
+                .pooled_url
+                .clone()
+                .context("a pooled scenario without the run's PgBouncer")?,
+        )
+    } else {
+        None
+    };
+    let stack = Stack::start(
+        &subject.programs,
+        &subject.databases,
+        pooled.as_deref(),
+        &subject.logs,
+    )
+    .await?;
     let pids = (stack.service.pid(), stack.gateway.pid());
     let target = Target {
         base: stack.base.clone(),
@@ -329,7 +444,11 @@ async fn measure_one(
     let counters = probe::counters_at_rest(&mut subject.databases)
         .await?
         .since(before)
-        .less(subject.fixed);
+        .less(if scenario.pooled() {
+            subject.fixed_pooled
+        } else {
+            subject.fixed
+        });
     subject
         .storm_keys
         .extend(outcome.storm_keys.iter().cloned());

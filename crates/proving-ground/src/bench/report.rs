@@ -68,6 +68,21 @@ pub struct Ratio {
     pub create_vs_baseline: f64,
 }
 
+/// A scenario behind the transaction pooler against the same scenario straight to PostgreSQL,
+/// at one concurrency (medians of the current build).
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolerRatio {
+    /// `create` or `replay`.
+    pub scenario: &'static str,
+    pub concurrency: usize,
+    pub direct_requests_per_s: f64,
+    pub pooled_requests_per_s: f64,
+    /// pooled / direct, in requests per second.
+    pub pooled_vs_direct: f64,
+    pub direct_p99_ms: f64,
+    pub pooled_p99_ms: f64,
+}
+
 /// The current build against the compared one, for one scenario and concurrency (medians).
 #[derive(Debug, Clone, Serialize)]
 pub struct Comparison {
@@ -114,6 +129,8 @@ pub struct Report {
     pub storm: Option<Measurement>,
     pub baseline: Option<Measurement>,
     pub ratios: Vec<Ratio>,
+    /// `create_pooled / create` and `replay_pooled / replay` at every concurrency both ran at.
+    pub pooler: Vec<PoolerRatio>,
     pub comparison: Vec<Comparison>,
     pub measurements: Vec<Measurement>,
     pub checks: Vec<Check>,
@@ -173,6 +190,27 @@ impl Report {
                 })
             })
             .collect();
+        self.pooler = cells
+            .iter()
+            .filter_map(|&(scenario, c)| {
+                let direct_name = match scenario {
+                    "create_pooled" => "create",
+                    "replay_pooled" => "replay",
+                    _ => return None,
+                };
+                let pooled = self.median("current", scenario, c)?;
+                let direct = self.median("current", direct_name, c)?;
+                Some(PoolerRatio {
+                    scenario: direct_name,
+                    concurrency: c,
+                    direct_requests_per_s: direct.requests_per_s,
+                    pooled_requests_per_s: pooled.requests_per_s,
+                    pooled_vs_direct: pooled.requests_per_s / direct.requests_per_s,
+                    direct_p99_ms: direct.latency_ms.p99,
+                    pooled_p99_ms: pooled.latency_ms.p99,
+                })
+            })
+            .collect();
         self.comparison = cells
             .iter()
             .filter_map(|&(scenario, c)| {
@@ -210,7 +248,7 @@ impl Report {
         let _ = writeln!(out);
         let _ = writeln!(
             out,
-            "{:<8} {:<9} {:>4} {:>8} {:>7} {:>7} {:>7} {:>8}  {:>6} {:>6} {:>8} {:>6} {:>5}  {:>6} {:>6} {:>6} {:>6}  answers",
+            "{:<8} {:<13} {:>4} {:>8} {:>7} {:>7} {:>7} {:>8}  {:>6} {:>6} {:>8} {:>6} {:>5}  {:>6} {:>6} {:>6} {:>6}  answers",
             "build", "scenario", "conc", "req/s", "p50 ms", "p90 ms", "p99 ms", "max ms",
             "tx/req", "rows", "WAL B", "gw tx", "HOT%", "svc ms", "gw ms", "pg ms", "cli ms"
         );
@@ -225,7 +263,7 @@ impl Report {
             let answers: Vec<String> = m.answers.iter().map(|(k, v)| format!("{k}: {v}")).collect();
             let _ = writeln!(
                 out,
-                "{:<8} {:<9} {:>4} {:>8.0} {:>7.2} {:>7.2} {:>7.2} {:>8.1}  {:>6.2} {:>6.2} {:>8.0} {:>6.2} {:>5}  {:>6.2} {:>6.2} {:>6} {:>6.2}  {}",
+                "{:<8} {:<13} {:>4} {:>8.0} {:>7.2} {:>7.2} {:>7.2} {:>8.1}  {:>6.2} {:>6.2} {:>8.0} {:>6.2} {:>5}  {:>6.2} {:>6.2} {:>6} {:>6.2}  {}",
                 m.build,
                 m.scenario,
                 m.concurrency,
@@ -256,6 +294,23 @@ impl Report {
                     r.create_requests_per_s,
                     r.baseline_requests_per_s,
                     r.create_vs_baseline
+                );
+            }
+        }
+        if !self.pooler.is_empty() {
+            let _ = writeln!(out);
+            for r in &self.pooler {
+                let _ = writeln!(
+                    out,
+                    "{}_pooled / {} at c{}: {:.0} / {:.0} req/s = {:.2}× (p99 {:.1} vs {:.1} ms)",
+                    r.scenario,
+                    r.scenario,
+                    r.concurrency,
+                    r.pooled_requests_per_s,
+                    r.direct_requests_per_s,
+                    r.pooled_vs_direct,
+                    r.pooled_p99_ms,
+                    r.direct_p99_ms
                 );
             }
         }
@@ -296,5 +351,162 @@ impl Report {
         let mut json = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
         json.push(b'\n');
         std::fs::write(path, json)
+    }
+}
+
+/// One check per build that ran a pooled scenario: every `create_pooled` request answered
+/// `201` (a booking of its own), every `replay_pooled` request `201 replayed`, none lost. A
+/// service that misreads the pooler (named statements, or an unnamed one split across server
+/// connections) answers 500s here, or worse, another request's answer.
+pub(crate) fn pooled_answers_checks(measurements: &[Measurement]) -> Vec<Check> {
+    let mut builds: Vec<&'static str> = Vec::new();
+    for m in measurements {
+        if m.scenario.ends_with("_pooled") && !builds.contains(&m.build) {
+            builds.push(m.build);
+        }
+    }
+    builds
+        .into_iter()
+        .map(|build| {
+            let mut problems = Vec::new();
+            let mut answered = 0;
+            for m in measurements
+                .iter()
+                .filter(|m| m.build == build && m.scenario.ends_with("_pooled"))
+            {
+                let expected = if m.scenario == "create_pooled" {
+                    "201"
+                } else {
+                    "201 replayed"
+                };
+                let wrong: Vec<String> = m
+                    .answers
+                    .iter()
+                    .filter(|(label, _)| label.as_str() != expected)
+                    .map(|(label, n)| format!("{n} × {label}"))
+                    .collect();
+                if m.requests == 0 {
+                    problems.push(format!("{} at c{}: no answer", m.scenario, m.concurrency));
+                } else if !wrong.is_empty() {
+                    problems.push(format!(
+                        "{} at c{}: {} besides {expected}",
+                        m.scenario,
+                        m.concurrency,
+                        wrong.join(", ")
+                    ));
+                }
+                answered += m.requests;
+            }
+            Check {
+                name: "pooled_answers",
+                build,
+                passed: problems.is_empty(),
+                detail: if problems.is_empty() {
+                    format!(
+                        "{answered} requests through PgBouncer in transaction pooling: every \
+                         create a 201 of its own, every replay a replayed 201"
+                    )
+                } else {
+                    problems.join("; ")
+                },
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn measurement(scenario: &'static str, answers: &[(&str, u64)]) -> Measurement {
+        Measurement {
+            build: "current",
+            round: 1,
+            scenario,
+            concurrency: 2,
+            requests: answers.iter().map(|(_, n)| n).sum(),
+            requests_per_s: 100.0,
+            latency_ms: Latency {
+                p50: 1.0,
+                p90: 1.0,
+                p99: 1.0,
+                max: 1.0,
+            },
+            answers: answers.iter().map(|(k, n)| ((*k).to_owned(), *n)).collect(),
+            requests_sent: 1,
+            transactions_per_request: 0.0,
+            rows_written_per_request: 0.0,
+            wal_bytes_per_request: 0.0,
+            gateway_transactions_per_request: 0.0,
+            key_updates: 0,
+            key_hot_share: None,
+            cpu_ms_per_request: CpuPerRequest {
+                service: 0.0,
+                gateway: 0.0,
+                clients: 0.0,
+                postgres: None,
+            },
+        }
+    }
+
+    #[test]
+    fn pooled_answers_fail_on_a_500_a_fresh_booking_in_a_replay_or_no_answer() {
+        let good = [
+            measurement("create", &[("500", 3)]),
+            measurement("create_pooled", &[("201", 10)]),
+            measurement("replay_pooled", &[("201 replayed", 10)]),
+        ];
+        let checks = pooled_answers_checks(&good);
+        assert_eq!(checks.len(), 1);
+        assert!(checks[0].passed, "{}", checks[0].detail);
+        for bad in [
+            measurement("create_pooled", &[("201", 10), ("500", 1)]),
+            measurement("replay_pooled", &[("201 replayed", 10), ("201", 1)]),
+            measurement("create_pooled", &[]),
+            measurement("replay_pooled", &[("transport", 1)]),
+        ] {
+            let checks = pooled_answers_checks(&[good[1].clone(), bad.clone()]);
+            assert!(!checks[0].passed, "{:?} passed", bad.answers);
+        }
+        assert!(pooled_answers_checks(&good[..1]).is_empty());
+    }
+
+    #[test]
+    fn the_pooler_ratios_pair_each_pooled_scenario_with_its_direct_twin() {
+        let mut create = measurement("create", &[("201", 1)]);
+        create.requests_per_s = 200.0;
+        let mut pooled = measurement("create_pooled", &[("201", 1)]);
+        pooled.requests_per_s = 150.0;
+        let mut report = Report {
+            run: String::new(),
+            service_version: String::new(),
+            compared_version: None,
+            cpus: 1,
+            duration_s: 1.0,
+            warmup_s: 1.0,
+            rounds: 1,
+            users: 1,
+            create: None,
+            replay: None,
+            storm: None,
+            baseline: None,
+            ratios: Vec::new(),
+            pooler: Vec::new(),
+            comparison: Vec::new(),
+            measurements: vec![create, pooled, measurement("replay_pooled", &[])],
+            checks: Vec::new(),
+            passed: false,
+        };
+        report.summarize();
+        assert_eq!(
+            report.pooler.len(),
+            1,
+            "replay_pooled has no direct twin here"
+        );
+        assert_eq!(report.pooler[0].scenario, "create");
+        assert!((report.pooler[0].pooled_vs_direct - 0.75).abs() < 1e-9);
+        assert!(report
+            .table()
+            .contains("create_pooled / create at c2: 150 / 200 req/s = 0.75×"));
     }
 }

@@ -130,6 +130,13 @@ impl Databases {
             .await?)
     }
 
+    /// The service's database through the pooler at `pooler_url` (which forwards every
+    /// database name to this server).
+    pub(crate) fn service_url_through(&self, pooler_url: &str) -> anyhow::Result<String> {
+        let pooler: PgConnectOptions = pooler_url.parse().context("parse the pooler's URL")?;
+        Ok(pooler.database(&self.service).to_url_lossy().to_string())
+    }
+
     pub(crate) async fn drop_all(mut self) {
         for name in [&self.service, &self.gateway] {
             let dropped = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
@@ -211,13 +218,29 @@ pub(crate) struct Stack {
 }
 
 impl Stack {
+    /// With `pooled`, the URL of the service's database through a PgBouncer in transaction
+    /// pooling, the service runs behind it with `DATABASE_POOLER=transaction` (its direct URL as
+    /// `MIGRATE_DATABASE_URL`); the gateway always connects directly.
     pub(crate) async fn start(
         programs: &Programs,
         databases: &Databases,
+        pooled: Option<&str>,
         logs: &Path,
     ) -> anyhow::Result<Self> {
         let (gateway, gateway_base) = start_gateway(programs, databases, logs).await?;
         let port = free_port()?;
+        let mut env = vec![
+            ("STRIPE_API_BASE", gateway_base),
+            ("STRIPE_API_KEY", GATEWAY_SECRET_KEY.to_owned()),
+        ];
+        match pooled {
+            Some(url) => env.extend([
+                ("DATABASE_URL", url.to_owned()),
+                ("DATABASE_POOLER", "transaction".to_owned()),
+                ("MIGRATE_DATABASE_URL", databases.service_url.clone()),
+            ]),
+            None => env.push(("DATABASE_URL", databases.service_url.clone())),
+        }
         let service = Process::spawn(
             "rocket-rides serve",
             &programs.service,
@@ -228,12 +251,12 @@ impl Stack {
                 "--metrics-listen".to_owned(),
                 "127.0.0.1:0".to_owned(),
             ],
-            &[
-                ("DATABASE_URL", databases.service_url.clone()),
-                ("STRIPE_API_BASE", gateway_base),
-                ("STRIPE_API_KEY", GATEWAY_SECRET_KEY.to_owned()),
-            ],
-            &logs.join("service.log"),
+            &env,
+            &logs.join(if pooled.is_some() {
+                "service-pooled.log"
+            } else {
+                "service.log"
+            }),
         )?;
         let base = format!("http://127.0.0.1:{port}");
         wait_until_answering(&format!("{base}/healthz")).await?;
