@@ -67,6 +67,8 @@ if [[ ${1:-} == --stop ]]; then
 fi
 
 [[ $# -eq 1 ]] || die "usage: scripts/pgbouncer.sh DATABASE_URL"
+[[ $1 == postgres://* || $1 == postgresql://* ]] ||
+    die "usage: scripts/pgbouncer.sh DATABASE_URL (a postgres:// URL), or --stop POOLER_URL; got ${1@Q}"
 server=$1
 find_pgbouncer
 mapfile -t parts < <(url_parts "$server")
