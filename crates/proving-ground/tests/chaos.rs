@@ -6,9 +6,9 @@ use std::process::Command;
 
 use serde_json::Value;
 
-/// Runs the seeded scenario with `requests` requests and `args`, in a report directory of its
-/// own, checks that it failed, and returns its report.
-fn failed_control(name: &str, requests: u32, args: &[&str]) -> Value {
+/// Runs `chaos` with `args`, in a report directory of its own, and returns its exit status and
+/// its report.
+fn run(name: &str, args: &[&str]) -> (std::process::ExitStatus, Value) {
     assert!(
         std::env::var("DATABASE_URL").is_ok(),
         "DATABASE_URL names the test server"
@@ -16,8 +16,6 @@ fn failed_control(name: &str, requests: u32, args: &[&str]) -> Value {
     let dir = std::env::temp_dir().join(format!("chaos-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let status = Command::new(env!("CARGO_BIN_EXE_chaos"))
-        .args(["--requests", &requests.to_string()])
-        .args(["--concurrency", "16", "--seed", "7"])
         .args(args)
         .arg("--drop-database")
         .arg("--report-dir")
@@ -34,6 +32,23 @@ fn failed_control(name: &str, requests: u32, args: &[&str]) -> Value {
     let report: Value =
         serde_json::from_slice(&std::fs::read(run.join("report.json")).unwrap()).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+    (status, report)
+}
+
+/// Runs the seeded scenario with `requests` requests and `args`, checks that it failed, and
+/// returns its report.
+fn failed_control(name: &str, requests: u32, args: &[&str]) -> Value {
+    let requests = requests.to_string();
+    let mut all = vec![
+        "--requests",
+        &requests,
+        "--concurrency",
+        "16",
+        "--seed",
+        "7",
+    ];
+    all.extend_from_slice(args);
+    let (status, report) = run(name, &all);
     assert!(!status.success(), "the sabotaged run must exit non-zero");
     assert_eq!(report["passed"], false);
     report
@@ -251,25 +266,11 @@ fn under_patroni_every_fault_strikes_and_the_audit_passes() {
     if !patroni_installed("under_patroni_every_fault_strikes_and_the_audit_passes") {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("chaos-patroni-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let status = Command::new(env!("CARGO_BIN_EXE_chaos"))
-        // As CI's run (.ci/run, seed 42), with another seed.
-        .args(["--requests", "600", "--seed", "7"])
-        .args(["--ha", "patroni", "--drop-database", "--report-dir"])
-        .arg(&dir)
-        .env("RUST_LOG", "warn")
-        .env("RUST_BACKTRACE", "0")
-        .status()
-        .expect("run chaos");
-    let run = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|entry| entry.unwrap().path())
-        .find(|path| path.join("report.json").exists())
-        .expect("the run wrote a report");
-    let report: Value =
-        serde_json::from_slice(&std::fs::read(run.join("report.json")).unwrap()).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    // As CI's run (.ci/run, seed 42), with another seed.
+    let (status, report) = run(
+        "patroni",
+        &["--requests", "600", "--seed", "7", "--ha", "patroni"],
+    );
     for kind in [
         "patroni_kill_leader",
         "patroni_kill_agent",

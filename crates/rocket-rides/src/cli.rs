@@ -324,48 +324,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             gateway,
             lease,
             shutdown,
-        } => {
-            crate::config::validate_worker(&worker, &lease).map_err(anyhow::Error::msg)?;
-            crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
-            let connections = worker.completer_concurrency + 2;
-            // A worker that runs once has nothing to wait for: no database, no run.
-            let pool = if once {
-                connect(&db, connections).await?
-            } else {
-                connect_serving(&db, connections).await?
-            };
-            // The worker's claims agree with the API's on what has expired, as its reaper does.
-            let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?
-                .with_key_retention(worker.key_retention)?
-                .with_statements(db.pooler.database_pooler.statements());
-            refuse_an_unseen_cancelled_wait(&state).await?;
-            if once {
-                crate::worker::run_once(&state, &worker).await?;
-            } else {
-                let steps = Shutdown::new();
-                let stopping = steps.stopping();
-                state.giving_up = steps.giving_up();
-                if let Some(address) = metrics_listen {
-                    let listener = tokio::net::TcpListener::bind(address)
-                        .await
-                        .with_context(|| format!("listen on {address}"))?;
-                    let mut stopping = steps.stopping();
-                    let (router, counters) =
-                        (app::metrics_router(state.clone()), state.metrics.clone());
-                    tokio::spawn(app::serve(
-                        listener,
-                        router,
-                        HttpArgs::default(),
-                        counters,
-                        async move { stopping.wait().await },
-                    ));
-                }
-                tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
-                tracing::info!("worker running");
-                crate::worker::run(&state, &worker, stopping).await;
-                tracing::info!("stopped");
-            }
-        }
+        } => work(db, once, metrics_listen, worker, gateway, lease, shutdown).await?,
         Command::Jobs {
             command: JobsCommand::List { db, limit },
         } => {
@@ -439,6 +398,58 @@ struct Serving {
 
 /// `rocket-rides serve`: the API (and its metrics listener) until SIGTERM or SIGINT, then the
 /// two-step shutdown.
+/// `worker`: the completer, the reaper and the outbox drain, once or until shut down.
+async fn work(
+    db: DatabaseArgs,
+    once: bool,
+    metrics_listen: Option<std::net::SocketAddr>,
+    worker: WorkerArgs,
+    gateway: GatewayArgs,
+    lease: LeaseArgs,
+    shutdown: ShutdownArgs,
+) -> anyhow::Result<()> {
+    crate::config::validate_worker(&worker, &lease).map_err(anyhow::Error::msg)?;
+    crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
+    let connections = worker.completer_concurrency + 2;
+    // A worker that runs once has nothing to wait for: no database, no run.
+    let pool = if once {
+        connect(&db, connections).await?
+    } else {
+        connect_serving(&db, connections).await?
+    };
+    // The worker's claims agree with the API's on what has expired, as its reaper does.
+    let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?
+        .with_key_retention(worker.key_retention)?
+        .with_statements(db.pooler.database_pooler.statements());
+    refuse_an_unseen_cancelled_wait(&state).await?;
+    if once {
+        crate::worker::run_once(&state, &worker).await?;
+    } else {
+        let steps = Shutdown::new();
+        let stopping = steps.stopping();
+        state.giving_up = steps.giving_up();
+        if let Some(address) = metrics_listen {
+            let listener = tokio::net::TcpListener::bind(address)
+                .await
+                .with_context(|| format!("listen on {address}"))?;
+            let mut stopping = steps.stopping();
+            let (router, counters) = (app::metrics_router(state.clone()), state.metrics.clone());
+            tokio::spawn(app::serve(
+                listener,
+                router,
+                HttpArgs::default(),
+                counters,
+                async move { stopping.wait().await },
+            ));
+        }
+        tokio::spawn(steps.run(os_signal(), shutdown.shutdown_deadline));
+        tracing::info!("worker running");
+        crate::worker::run(&state, &worker, stopping).await;
+        tracing::info!("stopped");
+    }
+    Ok(())
+}
+
 /// Refuses to run where a commit whose wait for a synchronous standby was cancelled would be
 /// taken for a success: the commit watch missing from the subscriber, or `client_min_messages`
 /// keeping the server's warnings away ([`idempotency::commit_watch::check`]). A database that
