@@ -120,11 +120,17 @@ pub async fn check(pool: &sqlx::PgPool) -> Result<(), crate::Error> {
                 .into(),
         ));
     }
+    // Unnamed and inside a transaction, so that it works behind a pooler in transaction mode,
+    // which may hand the statement's parse and its execution to different server connections
+    // otherwise.
+    const READ: &str = "read client_min_messages";
+    let mut tx = pool.begin().await.map_err(crate::Error::db(READ))?;
     let level: String = sqlx::query_scalar("SELECT current_setting('client_min_messages')")
         .persistent(false)
-        .fetch_one(pool)
+        .fetch_one(&mut *tx)
         .await
-        .map_err(crate::Error::db("read client_min_messages"))?;
+        .map_err(crate::Error::db(READ))?;
+    tx.commit().await.map_err(crate::Error::db(READ))?;
     if matches!(level.as_str(), "error" | "fatal" | "panic") {
         return Err(crate::Error::InvalidConfig(format!(
             "client_min_messages is {level:?} on the store's connections: the server then sends \

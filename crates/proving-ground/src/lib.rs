@@ -14,3 +14,4 @@
 pub mod bench;
 pub mod chaos;
 mod local;
+mod pgbouncer;

@@ -30,7 +30,7 @@ mod probe;
 pub mod report;
 mod stack;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,6 +42,7 @@ use self::load::{Outcome, Target, STORM_SIZE};
 use self::probe::{Counters, Cpu};
 use self::report::{Check, CpuPerRequest, Latency, Measurement, Report};
 use self::stack::{Databases, Programs, Stack};
+use crate::pgbouncer::PgBouncer;
 
 /// `bench` options.
 #[derive(Debug, Clone, Args)]
@@ -70,7 +71,7 @@ pub struct BenchArgs {
     pub scenario: Vec<Scenario>,
     /// The script that starts a PgBouncer in transaction pooling in front of DATABASE_URL's
     /// server and prints its URL (and stops it with `--stop URL`); the pooled scenarios only.
-    #[arg(long, env = "PGBOUNCER_SCRIPT", default_value = DEFAULT_PGBOUNCER_SCRIPT)]
+    #[arg(long, env = "PGBOUNCER_SCRIPT", default_value = crate::pgbouncer::DEFAULT_SCRIPT)]
     pub pgbouncer_script: PathBuf,
     /// Users the clients spread over.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=1000))]
@@ -98,54 +99,6 @@ pub struct BenchArgs {
     /// Keep the run's databases afterwards.
     #[arg(long)]
     pub keep_databases: bool,
-}
-
-/// `scripts/pgbouncer.sh` of the source tree this program was built from.
-const DEFAULT_PGBOUNCER_SCRIPT: &str =
-    concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/pgbouncer.sh");
-
-/// A PgBouncer in transaction pooling for the run, stopped when dropped (on every way out of
-/// the run, errors and panics included).
-struct Pooler {
-    script: PathBuf,
-    url: String,
-}
-
-impl Pooler {
-    fn start(script: &Path, server_url: &str) -> anyhow::Result<Self> {
-        let advice = "the pooled scenarios (create_pooled, replay_pooled) need a PgBouncer; \
-                      leave them out with --scenario to run without one";
-        let output = std::process::Command::new(script)
-            .arg(server_url)
-            .stdin(std::process::Stdio::null())
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .with_context(|| format!("run {}: {advice}", script.display()))?;
-        let url = String::from_utf8_lossy(&output.stdout).trim().to_owned();
-        anyhow::ensure!(
-            output.status.success() && !url.is_empty(),
-            "{} could not start a PgBouncer ({}; its messages are above): {advice}",
-            script.display(),
-            output.status
-        );
-        eprintln!("bench: PgBouncer in transaction pooling at {url}");
-        Ok(Self {
-            script: script.to_owned(),
-            url,
-        })
-    }
-}
-
-impl Drop for Pooler {
-    fn drop(&mut self) {
-        let stopped = std::process::Command::new(&self.script)
-            .args(["--stop", &self.url])
-            .stdin(std::process::Stdio::null())
-            .status();
-        if !matches!(stopped, Ok(status) if status.success()) {
-            eprintln!("bench: could not stop the PgBouncer at {}", self.url);
-        }
-    }
 }
 
 fn parse_bounded_duration(s: &str) -> Result<Duration, String> {
@@ -215,7 +168,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
     eprintln!("bench: run {run}, logs in {}", dir.display());
     // Before anything is created: a run that cannot have its PgBouncer fails at once.
     let pooler = if scenarios.iter().any(|s| s.pooled()) {
-        Some(Pooler::start(&args.pgbouncer_script, &args.database_url)?)
+        let advice = "the pooled scenarios (create_pooled, replay_pooled) need a PgBouncer; \
+                      leave them out with --scenario to run without one";
+        Some(PgBouncer::start(
+            "bench",
+            &args.pgbouncer_script,
+            &args.database_url,
+            advice,
+        )?)
     } else {
         None
     };
@@ -234,7 +194,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
             }
         };
         let pooled_url = match &pooler {
-            Some(pooler) => match databases.service_url_through(&pooler.url) {
+            Some(pooler) => match databases.service_url_through(pooler.url()) {
                 Ok(url) => Some(url),
                 Err(e) => {
                     result = Err(e);

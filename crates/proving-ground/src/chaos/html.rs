@@ -149,6 +149,7 @@ fn cards(out: &mut String, report: &Report) {
         ("requests", group(report.requests)),
         ("concurrency", report.concurrency.to_string()),
         ("API instances", report.api_instances.to_string()),
+        ("database", escape(&report.database)),
         ("duration", format!("{:.1} s", report.duration_secs)),
         ("sabotage", sabotage),
     ] {

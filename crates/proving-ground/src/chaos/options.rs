@@ -47,6 +47,10 @@ pub enum Sabotage {
     /// the WAL writer for a second before PostgreSQL crashes, so that commits it acknowledged are
     /// lost with it. Needs the crash: the database faults on, without `--failover`.
     DurableCommit,
+    /// With `--pooler pgbouncer`: run the services as they run against PostgreSQL itself (named
+    /// prepared statements, statements outside transactions) behind the transaction pooler,
+    /// which hands each transaction to whichever server connection is free.
+    UnnamedStatements,
 }
 
 /// Where the service's database lives (`--ha`).
@@ -59,6 +63,18 @@ pub enum Ha {
     /// A Patroni cluster: two PostgreSQL nodes, one etcd member, HAProxy routing to the leader
     /// by Patroni's REST health check; the services reach the database only through HAProxy.
     Patroni,
+}
+
+/// What stands between the services and their database (`--pooler`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum Pooler {
+    /// The services reach PostgreSQL itself (through the proxy that cuts after `COMMIT`).
+    #[default]
+    None,
+    /// A PgBouncer in transaction pooling between the services' proxy and the run's
+    /// PostgreSQL, started by `scripts/pgbouncer.sh`; the services run with
+    /// `DATABASE_POOLER=transaction`.
+    Pgbouncer,
 }
 
 /// A fault family that can be switched off.
@@ -141,6 +157,15 @@ pub struct ChaosArgs {
     /// leader is killed, its agent is killed and a switchover is made during the run.
     #[arg(long, value_enum, default_value_t = Ha::None)]
     pub ha: Ha,
+    /// Put a connection pooler between the services and their database: `pgbouncer` (PgBouncer
+    /// in transaction pooling, installed by `scripts/pgbouncer.sh` where missing). The harness
+    /// and the migrations reach PostgreSQL directly.
+    #[arg(long, value_enum, default_value_t = Pooler::None)]
+    pub pooler: Pooler,
+    /// The script that starts the PgBouncer of `--pooler pgbouncer` in front of a server, prints
+    /// its URL, and stops it with `--stop URL`.
+    #[arg(long, env = "PGBOUNCER_SCRIPT", default_value = crate::pgbouncer::DEFAULT_SCRIPT)]
+    pub pgbouncer_script: PathBuf,
 }
 
 impl ChaosArgs {
@@ -157,6 +182,21 @@ impl ChaosArgs {
     /// Whether the database runs under Patroni (`--ha patroni`).
     pub(crate) fn patroni(&self) -> bool {
         self.ha == Ha::Patroni
+    }
+
+    /// Whether the services reach their database through PgBouncer (`--pooler pgbouncer`).
+    pub(crate) fn pgbouncer(&self) -> bool {
+        self.pooler == Pooler::Pgbouncer
+    }
+
+    /// How the services reach their database, as the report names it.
+    pub(crate) fn database(&self) -> &'static str {
+        match (self.ha, self.pooler, self.failover) {
+            (Ha::Patroni, _, _) => "patroni",
+            (_, Pooler::Pgbouncer, _) => "pgbouncer",
+            (_, _, true) => "failover",
+            _ => "postgres",
+        }
     }
 
     /// Refuses the combinations that would prove nothing, before anything starts.
@@ -181,6 +221,16 @@ impl ChaosArgs {
                 || (self.on(FaultFamily::Database) && !self.failover && !self.patroni()),
             "--without durable-commit shows what a crash of PostgreSQL loses: it needs the database \
              faults on (no --no database), no --failover and no --ha patroni"
+        );
+        anyhow::ensure!(
+            !self.pgbouncer() || (!self.failover && !self.patroni()),
+            "--pooler pgbouncer fronts the run's own PostgreSQL, which a failover replaces: give \
+             it without --failover and --ha patroni"
+        );
+        anyhow::ensure!(
+            !self.without(Sabotage::UnnamedStatements) || self.pgbouncer(),
+            "--without unnamed-statements shows what a transaction pooler does to named \
+             statements: it needs --pooler pgbouncer"
         );
         Ok(())
     }

@@ -22,6 +22,7 @@ use sqlx::{ConnectOptions, Connection, PgConnection};
 use super::cluster::{Cluster, Replication};
 use super::patroni::Patroni;
 use super::pgproxy::PgProxy;
+use crate::pgbouncer::PgBouncer;
 
 /// The service's database in the cluster.
 const DATABASE: &str = "rocket_rides";
@@ -42,15 +43,21 @@ pub(crate) struct Postgres {
     root: PathBuf,
     /// The WAL writer stopped by [`Postgres::stall_wal_writer`], killed at the crash.
     stalled_wal_writer: Option<u32>,
+    /// `--pooler pgbouncer`: the PgBouncer between the services' proxy and the primary,
+    /// stopped when this is dropped.
+    pooler: Option<PgBouncer>,
 }
 
 impl Postgres {
     /// A fresh cluster under `root`, started, with the service's database created, the
-    /// services' proxy cutting a connection after a `COMMIT` with `cut_probability`.
+    /// services' proxy cutting a connection after a `COMMIT` with `cut_probability`. With
+    /// `pgbouncer` (the script that starts one), the services' proxy fronts a PgBouncer in
+    /// transaction pooling in front of the cluster; the harness's proxy fronts the cluster.
     pub(crate) async fn start(
         root: &Path,
         cut_probability: f64,
         seed: u64,
+        pgbouncer: Option<&Path>,
     ) -> anyhow::Result<Self> {
         let primary = Cluster::create(root, "primary").await?;
         primary
@@ -58,7 +65,27 @@ impl Postgres {
             .await
             .context("start the run's PostgreSQL")?;
         let upstream = primary.address();
-        Self::behind(Some(primary), None, upstream, root, cut_probability, seed).await
+        let (pooler, services_upstream) = match pgbouncer {
+            Some(script) => {
+                let pooler = start_pgbouncer(script, upstream).await?;
+                let options: sqlx::postgres::PgConnectOptions =
+                    pooler.url().parse().context("parse the PgBouncer's URL")?;
+                let address = format!("127.0.0.1:{}", options.get_port()).parse()?;
+                (Some(pooler), address)
+            }
+            None => (None, upstream),
+        };
+        let mut this = Self::behind(
+            Some(primary),
+            None,
+            [services_upstream, upstream],
+            root,
+            cut_probability,
+            seed,
+        )
+        .await?;
+        this.pooler = pooler;
+        Ok(this)
     }
 
     /// The service's database in a Patroni cluster under `root` (its logs in `logs`): the
@@ -75,7 +102,7 @@ impl Postgres {
         Self::behind(
             None,
             Some(Arc::new(ha)),
-            upstream,
+            [upstream, upstream],
             root,
             cut_probability,
             seed,
@@ -83,17 +110,18 @@ impl Postgres {
         .await
     }
 
-    /// The proxies in front of `upstream`, and the service's database created there.
+    /// The services' proxy and the harness's in front of their `upstreams`, in that order, and
+    /// the service's database created through the harness's.
     async fn behind(
         primary: Option<Cluster>,
         ha: Option<Arc<Patroni>>,
-        upstream: std::net::SocketAddr,
+        [services_upstream, harness_upstream]: [std::net::SocketAddr; 2],
         root: &Path,
         cut_probability: f64,
         seed: u64,
     ) -> anyhow::Result<Self> {
-        let services = PgProxy::start(upstream, cut_probability, seed).await?;
-        let harness = PgProxy::start(upstream, 0.0, seed).await?;
+        let services = PgProxy::start(services_upstream, cut_probability, seed).await?;
+        let harness = PgProxy::start(harness_upstream, 0.0, seed).await?;
         let this = Self {
             primary,
             ha,
@@ -104,6 +132,7 @@ impl Postgres {
             cut_probability,
             root: root.to_owned(),
             stalled_wal_writer: None,
+            pooler: None,
         };
         let mut admin = this.connect("postgres").await?;
         sqlx::query(&format!("CREATE DATABASE {DATABASE}"))
@@ -269,6 +298,8 @@ impl Postgres {
 
     /// Stops every server and deletes the clusters (or keeps them, stopped, for inspection).
     pub(crate) async fn finish(self, keep: bool) {
+        // Its clients are gone; its server is about to be.
+        drop(self.pooler);
         if let Some(ha) = self.ha {
             // The fault tasks, which held the other references, are over.
             match Arc::try_unwrap(ha) {
@@ -297,4 +328,22 @@ impl Postgres {
         }
         let _ = std::fs::remove_dir_all(&self.root);
     }
+}
+
+/// A PgBouncer in transaction pooling in front of the server at `server`, started by `script`
+/// (which may install it, and blocks meanwhile).
+async fn start_pgbouncer(script: &Path, server: std::net::SocketAddr) -> anyhow::Result<PgBouncer> {
+    let script = script.to_owned();
+    let url = format!("postgres://postgres@{server}/postgres");
+    tokio::task::spawn_blocking(move || {
+        PgBouncer::start(
+            "chaos",
+            &script,
+            &url,
+            "--pooler pgbouncer needs pgbouncer (scripts/pgbouncer.sh installs it where apt-get \
+             can, as root)",
+        )
+    })
+    .await
+    .context("the PgBouncer's start")?
 }

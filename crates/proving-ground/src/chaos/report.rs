@@ -29,6 +29,11 @@ pub struct Report {
     /// Safety mechanisms switched off on purpose (`--without …`), e.g. `["derived-key"]`: a
     /// negative control whose audit must fail.
     pub sabotage: Vec<String>,
+    /// How the services reach their database: `postgres` (the run's own cluster), `failover`
+    /// (with a synchronous standby promoted half-way), `patroni` or `pgbouncer` (transaction
+    /// pooling in front of the run's own cluster).
+    #[serde(default)]
+    pub database: String,
     /// When the run started, RFC 3339.
     pub started_at: String,
     /// Wall time of the whole run, in seconds.
@@ -226,6 +231,7 @@ impl Report {
                 ("duration", format!("{:.1} s", self.duration_secs)),
                 ("concurrency", self.concurrency.to_string()),
                 ("API instances", self.api_instances.to_string()),
+                ("database", self.database.clone()),
                 ("sabotage", sabotage),
             ],
         );
@@ -550,6 +556,7 @@ pub(crate) fn sample_report() -> Report {
         concurrency: 32,
         api_instances: 3,
         sabotage: vec!["derived-key".to_owned()],
+        database: "postgres".to_owned(),
         started_at: "2025-06-11T09:30:00Z".to_owned(),
         duration_secs: 61.4,
         attempts,

@@ -278,6 +278,7 @@ pub(crate) async fn audit_and_report(
             .iter()
             .filter_map(|s| s.to_possible_value().map(|v| v.get_name().to_owned()))
             .collect(),
+        database: args.database().to_owned(),
         started_at: started_at.format(&time::format_description::well_known::Rfc3339)?,
         duration_secs: sent.secs,
         attempts,

@@ -87,6 +87,11 @@ impl Services {
             ("LOG_FORMAT".to_owned(), "json".to_owned()),
             ("NO_COLOR".to_owned(), "1".to_owned()),
         ];
+        // Behind the transaction pooler, every statement unnamed and inside a transaction; the
+        // negative control runs them as against PostgreSQL itself.
+        if args.pgbouncer() && !args.without(Sabotage::UnnamedStatements) {
+            env.push(("DATABASE_POOLER".to_owned(), "transaction".to_owned()));
+        }
         let sabotage = sabotage_switches(args);
         if !sabotage.is_empty() {
             env.push((
@@ -196,8 +201,11 @@ fn sabotage_switches(args: &ChaosArgs) -> Vec<&'static str> {
                 Some(rocket_rides::failpoints::SABOTAGE_UNKNOWN_ANSWER_IS_REFUSAL)
             }
             Sabotage::CommitWatch => Some(rocket_rides::failpoints::SABOTAGE_NO_COMMIT_WATCH),
-            // Applied to the worker's arguments, and to the database.
-            Sabotage::Completer | Sabotage::SyncReplication | Sabotage::DurableCommit => None,
+            // Applied to the worker's arguments, to the database, and to the pooler setting.
+            Sabotage::Completer
+            | Sabotage::SyncReplication
+            | Sabotage::DurableCommit
+            | Sabotage::UnnamedStatements => None,
         })
         .collect()
 }

@@ -119,7 +119,8 @@ impl Stack {
                 let synchronous = !args.without(Sabotage::SyncReplication);
                 Postgres::start_patroni(&root, dir, synchronous, cut_probability, seed).await
             } else {
-                Postgres::start(&root, cut_probability, seed).await
+                let pgbouncer = args.pgbouncer().then_some(args.pgbouncer_script.as_path());
+                Postgres::start(&root, cut_probability, seed, pgbouncer).await
             }
         })
         .await
