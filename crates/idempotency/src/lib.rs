@@ -65,7 +65,9 @@ pub use error::Error;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
 pub use lease::LEASE_LOG;
-pub use migrate::{migrate, migrate_with, MIGRATIONS_TABLE};
+pub use migrate::{
+    migrate, migrate_with, LOCK_TIMEOUT_MESSAGE, MIGRATIONS_TABLE, MIGRATION_LOCK_TIMEOUT,
+};
 pub use observe::{ClaimOutcome, Observer};
 pub use owner::{Owner, OwnerError, MAX_OWNER_LEN};
 pub use response::StoredResponse;

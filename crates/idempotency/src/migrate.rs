@@ -20,8 +20,19 @@
 //!
 //! Several processes may migrate at once: a transaction-level advisory lock makes them take
 //! turns, and all of a run's migrations commit with their bookkeeping rows in one transaction.
+//!
+//! The migrating session waits at most [`MIGRATION_LOCK_TIMEOUT`] for any lock (migrations whose
+//! files set a bound of their own keep theirs): a migration's exclusive lock queues behind every
+//! transaction on its table, and every statement on the table queues behind the migration, so an
+//! unbounded wait behind one long transaction stalls all traffic. A migration that gives up fails
+//! with [`LOCK_TIMEOUT_MESSAGE`] and the sessions that held locks then, and nothing of its
+//! transaction is applied: run it again once they are gone (docs/operations.md, "Migrations on a
+//! live database").
+
+use std::time::Duration;
 
 use sqlx::migrate::{Migrate, MigrateError, Migration, MigrationType, Migrator};
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgPool, Postgres};
 use sqlx::{Connection, Executor, Row, Transaction};
 
@@ -33,6 +44,18 @@ pub const MIGRATIONS_TABLE: &str = "idempotency_schema_migrations";
 /// The advisory lock migrators take turns on: "idempote" in ASCII.
 const LOCK: i64 = 0x6964_656d_706f_7465;
 
+/// The longest the migrating session waits for a lock, for migrations whose files set none (the
+/// earliest do not, and cannot be changed: their checksums are recorded). Far above the
+/// milliseconds a booking's transaction holds its locks, so that traffic alone never fails a
+/// migration; far below what clients wait before they give up, since every statement on the
+/// table queues behind the migration's wait. The files that set their own say 5 s too.
+pub const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How a migration that gave up waiting for a lock fails; the sessions that held locks follow.
+pub const LOCK_TIMEOUT_MESSAGE: &str = "a migration waited too long for a lock and gave up, \
+     applying nothing of its transaction; run migrate again once these sessions, which held \
+     locks in the database, have finished";
+
 /// Creates or upgrades the crate's tables in the database behind `pool`. Run it before the
 /// application's own migrations, whose tables may reference `idempotency_keys (owner, id)`; or
 /// run both with [`migrate_with`], which an upgrade that changes what they reference needs.
@@ -41,11 +64,68 @@ const LOCK: i64 = 0x6964_656d_706f_7465;
 /// Everything happens in one transaction on one connection, behind a transaction-level advisory
 /// lock: all of it commits, or nothing does, and concurrent migrators take turns.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
-    let mut conn = pool
-        .acquire()
-        .await
-        .map_err(Error::db("apply the idempotency migrations"))?;
-    apply_ours(&mut conn, None).await
+    let mut conn = migrating_connection(pool, "apply the idempotency migrations").await?;
+    let outcome = apply_ours(&mut conn, None).await;
+    explain_lock_timeout(&mut conn, outcome).await
+}
+
+/// A connection of `pool` to migrate on, closed when dropped, so that the bound its session puts
+/// on lock waits never reaches the pool's other users.
+async fn migrating_connection(
+    pool: &PgPool,
+    context: &str,
+) -> Result<PoolConnection<Postgres>, Error> {
+    let mut conn = pool.acquire().await.map_err(Error::db(context))?;
+    conn.close_on_drop();
+    Ok(conn)
+}
+
+/// `SET [LOCAL] lock_timeout` to [`MIGRATION_LOCK_TIMEOUT`], for `scope` "SESSION" or "LOCAL".
+fn bound_lock_waits(scope: &str) -> String {
+    format!(
+        "SET {scope} lock_timeout = '{}ms'",
+        MIGRATION_LOCK_TIMEOUT.as_millis()
+    )
+}
+
+/// `outcome`, with the sessions that hold locks when a migration gave up waiting for one.
+async fn explain_lock_timeout(
+    conn: &mut PgConnection,
+    outcome: Result<(), Error>,
+) -> Result<(), Error> {
+    let source = match &outcome {
+        Err(Error::Database { source, .. }) => source,
+        _ => return outcome,
+    };
+    let lock_not_available = source
+        .as_database_error()
+        .and_then(|e| e.code())
+        .is_some_and(|code| code == "55P03");
+    if !lock_not_available {
+        return outcome;
+    }
+    // The oldest transactions first: a lock the migration queued behind is held by one of them.
+    let holders: Vec<String> = sqlx::query_scalar(
+        "SELECT format('pid %s (%s, in a transaction for %s): %s', a.pid, a.state,
+                       date_trunc('second', now() - a.xact_start), left(a.query, 200))
+         FROM pg_stat_activity a
+         WHERE a.pid <> pg_backend_pid() AND a.datname = current_database()
+           AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.granted
+                       AND l.relation IS NOT NULL)
+         ORDER BY a.xact_start NULLS LAST LIMIT 5",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(Error::db("list the sessions holding locks"))?;
+    let holders = if holders.is_empty() {
+        "none any more".to_owned()
+    } else {
+        holders.join("; ")
+    };
+    Err(Error::Migration(format!(
+        "{LOCK_TIMEOUT_MESSAGE}: {holders} ({})",
+        outcome.unwrap_err()
+    )))
 }
 
 /// Runs the crate's migrations and the application's `app` in the order of their versions, the
@@ -82,12 +162,16 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 /// ```
 pub async fn migrate_with(pool: &PgPool, app: &Migrator) -> Result<(), Error> {
     let app_error = |e: MigrateError| Error::Migration(format!("application migrations: {e}"));
-    let mut conn = pool
-        .acquire()
-        .await
-        .map_err(Error::db("migrate the idempotency and application tables"))?;
+    let mut conn =
+        migrating_connection(pool, "migrate the idempotency and application tables").await?;
+    // Waiting for another migrator is not bounded: it takes its turn once that one is done.
     conn.lock().await.map_err(app_error)?;
-    let outcome = interleave(&mut conn, app).await;
+    // The application's migrations run on this session as sqlx runs them.
+    let outcome = match (&mut *conn).execute(&*bound_lock_waits("SESSION")).await {
+        Ok(_) => interleave(&mut conn, app).await,
+        Err(e) => Err(Error::db("bound the migration's lock waits")(e)),
+    };
+    let outcome = explain_lock_timeout(&mut conn, outcome).await;
     // Released before the outcome is told, success or not; a failed release leaves the lock to
     // the connection's end.
     let unlocked = conn.unlock().await.map_err(app_error);
@@ -144,7 +228,17 @@ async fn interleave(conn: &mut PgConnection, app: &Migrator) -> Result<(), Error
     }
     for migration in pending {
         apply_ours(conn, Some(migration.version)).await?;
-        conn.apply(migration).await.map_err(app_error)?;
+        conn.apply(migration).await.map_err(|e| match e {
+            // The database's own error, kept so that a lock timeout is told as one.
+            MigrateError::Execute(source) => Error::Database {
+                context: format!(
+                    "apply application migration {} ({})",
+                    migration.version, migration.description
+                ),
+                source,
+            },
+            e => app_error(e),
+        })?;
     }
     apply_ours(conn, None).await
 }
@@ -167,11 +261,20 @@ async fn apply_ours(conn: &mut PgConnection, below: Option<i64>) -> Result<(), E
     }
     let context = "apply the idempotency migrations";
     let mut tx = conn.begin().await.map_err(Error::db(context))?;
+    // Other migrators are waited for as long as they take; locks on tables only so long.
+    (&mut *tx)
+        .execute("SET LOCAL lock_timeout = 0")
+        .await
+        .map_err(Error::db(context))?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(LOCK)
         .execute(&mut *tx)
         .await
         .map_err(Error::db("wait for other idempotency migrators"))?;
+    (&mut *tx)
+        .execute(&*bound_lock_waits("LOCAL"))
+        .await
+        .map_err(Error::db("bound the migration's lock waits"))?;
     sqlx::query(
         r#"
         CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (

@@ -418,3 +418,107 @@ async fn an_application_migration_with_one_of_the_crates_versions_is_left_alone(
     .unwrap();
     assert!(matches!(claim(&store, "k").await, Claim::Acquired(_)));
 }
+
+/// The version of the crate's migration that adds a column to the key table: it needs the
+/// table's exclusive lock, and its file sets no bound on the wait of its own.
+const REQUEST_UUID: i64 = 20261130000001;
+
+#[sqlx::test(migrations = false)]
+async fn a_migration_behind_a_long_transaction_gives_up_naming_it_and_applies_nothing(
+    pool: PgPool,
+) {
+    let mut earlier = migrator_below("migrations", REQUEST_UUID).await;
+    earlier.set_ignore_missing(true);
+    earlier.run(&pool).await.unwrap();
+    // A transaction that read the key table and stays open holds a lock the migration's
+    // ALTER TABLE must wait for.
+    let mut reader = pool.begin().await.unwrap();
+    let holder: i32 = sqlx::query_scalar(
+        "SELECT pg_backend_pid() FROM (SELECT count(*) FROM idempotency_keys) AS long_reader",
+    )
+    .fetch_one(&mut *reader)
+    .await
+    .unwrap();
+
+    let begun = std::time::Instant::now();
+    let refused = idempotency::migrate(&pool).await.unwrap_err().to_string();
+    let waited = begun.elapsed();
+
+    assert!(
+        refused.starts_with(idempotency::LOCK_TIMEOUT_MESSAGE),
+        "{refused}"
+    );
+    assert!(refused.contains(&format!("pid {holder} ")), "{refused}");
+    assert!(refused.contains("long_reader"), "{refused}");
+    assert!(
+        waited >= idempotency::MIGRATION_LOCK_TIMEOUT
+            && waited < idempotency::MIGRATION_LOCK_TIMEOUT * 3,
+        "gave up after {waited:?}"
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_attribute
+             WHERE attrelid = 'idempotency_keys'::regclass AND attname = 'request_uuid'"
+        )
+        .await,
+        0,
+        "nothing of the run is applied"
+    );
+    // The pool's other sessions wait without a bound, as before: the migration's is its own.
+    let bound: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(bound, "0");
+
+    reader.rollback().await.unwrap();
+    idempotency::migrate(&pool).await.unwrap();
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM idempotency_schema_migrations").await as usize,
+        crate_migrations()
+    );
+}
+
+/// An index built concurrently, as a `-- no-transaction` migration of the application's.
+fn concurrent_index(prelude: &str) -> String {
+    format!(
+        "-- no-transaction\n{prelude}CREATE INDEX CONCURRENTLY orders_key_id_idx ON orders (key_id);\n"
+    )
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_concurrent_index_runs_alone_in_its_migration_and_not_after_a_set(pool: PgPool) {
+    // PostgreSQL runs the statements of one query string in one implicit transaction, where a
+    // concurrent build is refused: the lock bound comes from the migrating session instead.
+    let with_set = concurrent_index("SET lock_timeout = '5s';\n");
+    let app = support::migrator_of(
+        "tests/app_migrations",
+        i64::MAX,
+        &[("20270101000002_orders_key_id.sql", &with_set)],
+    )
+    .await;
+    let refused = idempotency::migrate_with(&pool, &app).await.unwrap_err();
+    assert!(
+        refused
+            .to_string()
+            .contains("cannot run inside a transaction block"),
+        "{refused}"
+    );
+
+    let alone = concurrent_index("");
+    let app = support::migrator_of(
+        "tests/app_migrations",
+        i64::MAX,
+        &[("20270101000002_orders_key_id.sql", &alone)],
+    )
+    .await;
+    idempotency::migrate_with(&pool, &app).await.unwrap();
+    let valid: bool = sqlx::query_scalar(
+        "SELECT indisvalid FROM pg_index WHERE indexrelid = 'orders_key_id_idx'::regclass",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(valid);
+}
