@@ -11,6 +11,10 @@
 # that PgBouncer through scripts/pgbouncer.sh (which installs pgbouncer where it is missing) and
 # stops it at its end, and fails if it cannot start one.
 #
+# `open` (bookings offered at 0.5x, 1x and 2x the capacity create measured, Poisson arrivals) runs
+# after the closed-loop scenarios; `create_large` and `replay_large` run last, on tables preloaded
+# with --preload-keys finished bookings (a million by default: about 2 minutes and 1 GB here).
+#
 # Prints a table; writes target/bench/<run>/report.json. Exits non-zero only when a correctness
 # check of the run failed (a storm key booked twice, a charge without its ride), never on speed.
 set -euo pipefail

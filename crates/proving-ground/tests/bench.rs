@@ -201,3 +201,143 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
         })
         .collect()
 }
+
+/// The open loop at two low rates and the large tables at 10,000 preloaded bookings: every
+/// arrival is accounted for exactly once, the money check covers the open loop's bookings and
+/// leaves out the preloaded copies, and the table holds the keys asked for.
+#[test]
+fn the_open_loop_accounts_for_every_arrival_and_the_preload_loads_what_was_asked() {
+    let dir = std::env::temp_dir().join(format!("bench-open-large-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let output = Command::new(env!("CARGO_BIN_EXE_bench"))
+        .args(["--duration", "1s", "--warmup", "1s", "--concurrency", "2"])
+        .args(["--scenario", "create,replay,open,create_large,replay_large"])
+        .args(["--users", "2", "--open-rate", "20", "--open-load", "0.5,2"])
+        .args(["--preload-keys", "10000", "--reap"])
+        .arg("--report-dir")
+        .arg(&dir)
+        .env("RUST_LOG", "error")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("run bench");
+    eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "bench failed: {}", output.status);
+    let report_path = walk(&dir)
+        .into_iter()
+        .find(|p| p.ends_with("report.json"))
+        .expect("the run wrote a report");
+    let report: Value = serde_json::from_slice(&std::fs::read(report_path).unwrap()).unwrap();
+    assert_eq!(report["passed"], true, "{:#}", report["checks"]);
+
+    let open = report["open_loop"].as_array().unwrap();
+    let loads: Vec<f64> = open.iter().map(|o| o["load"].as_f64().unwrap()).collect();
+    assert_eq!(loads, [0.5, 2.0]);
+    for o in open {
+        let n = |field: &str| {
+            o[field]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{field} in {o}"))
+        };
+        let other: u64 = o["other"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        assert!(n("arrivals") > 0, "{o}");
+        assert_eq!(
+            n("created") + n("shed") + n("timeouts") + n("client_dropped") + other,
+            n("arrivals"),
+            "an arrival counted twice or not at all: {o}"
+        );
+        let offered = o["offered_requests_per_s"].as_f64().unwrap();
+        assert!(
+            (offered - 20.0 * o["load"].as_f64().unwrap()).abs() < 1e-9,
+            "{o}"
+        );
+    }
+    let money = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "one_charge_per_paid_ride")
+        .expect("the money check ran");
+    assert!(
+        money["detail"]
+            .as_str()
+            .unwrap()
+            .contains("10000 preloaded rides left out"),
+        "{money}"
+    );
+
+    let large = &report["large_tables"][0];
+    assert_eq!(large["preloaded_keys"], 10000, "{large}");
+    let rows = |table: &str| large[table]["rows"].as_i64().unwrap();
+    assert_eq!(rows("large") - rows("empty"), 10000, "{large}");
+    let indexes = large["large"]["indexes"].as_array().unwrap();
+    assert!(
+        indexes
+            .iter()
+            .any(|i| i["name"] == "idempotency_keys_pkey" && i["bytes"].as_i64().unwrap() > 0),
+        "{large}"
+    );
+    let ratios: Vec<(&str, u64)> = large["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["scenario"].as_str().unwrap(),
+                r["concurrency"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(ratios, [("create", 2), ("replay", 2)]);
+    // The reaper deleted every finished key; without vacuum the table keeps its size.
+    let reap = &large["after_reap"];
+    assert!(reap["reaped"].as_i64().unwrap() >= 10000, "{reap}");
+    assert!(
+        reap["table"]["rows"].as_i64().unwrap() < rows("empty"),
+        "{reap}"
+    );
+    assert!(
+        reap["table"]["heap_bytes"].as_i64().unwrap()
+            >= large["large"]["heap_bytes"].as_i64().unwrap(),
+        "{reap}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A load that is not a positive multiple, and an open loop with no capacity to multiply (no
+/// `create` in the run, no `--open-rate`), fail with a clear message before anything is made.
+#[test]
+fn an_open_loop_without_a_capacity_or_with_a_bad_load_fails_before_it_starts() {
+    let dir = std::env::temp_dir().join(format!("bench-open-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (args, expected) in [
+        (
+            &["--scenario", "open", "--open-load", "0"][..],
+            "must be a positive number",
+        ),
+        (
+            &["--scenario", "open", "--open-load", "1,x"][..],
+            "must be a positive number",
+        ),
+        (&["--scenario", "open"][..], "--open-rate"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_bench"))
+            .args(["--duration", "1s", "--warmup", "1s", "--concurrency", "1"])
+            .args(args)
+            .arg("--report-dir")
+            .arg(&dir)
+            .env("RUST_LOG", "error")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("run bench");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} passed");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    assert!(walk(&dir).is_empty(), "a run wrote {:?}", walk(&dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}

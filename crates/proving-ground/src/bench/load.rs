@@ -39,6 +39,18 @@ pub enum Scenario {
     #[value(name = "replay_pooled")]
     #[serde(rename = "replay_pooled")]
     ReplayPooled,
+    /// Bookings offered at fixed rates (Poisson arrivals), multiples of the measured capacity,
+    /// each latency counted from its intended start ([`super::open_loop`]).
+    Open,
+    /// `create` once `--preload-keys` finished bookings are in the tables
+    /// ([`super::preload`]).
+    #[value(name = "create_large")]
+    #[serde(rename = "create_large")]
+    CreateLarge,
+    /// `replay` once the tables are preloaded.
+    #[value(name = "replay_large")]
+    #[serde(rename = "replay_large")]
+    ReplayLarge,
 }
 
 impl Scenario {
@@ -50,6 +62,9 @@ impl Scenario {
             Self::Baseline => "baseline",
             Self::CreatePooled => "create_pooled",
             Self::ReplayPooled => "replay_pooled",
+            Self::Open => "open",
+            Self::CreateLarge => "create_large",
+            Self::ReplayLarge => "replay_large",
         }
     }
 
@@ -61,10 +76,15 @@ impl Scenario {
     /// The scenario whose requests this one sends.
     pub(crate) fn requests(self) -> Self {
         match self {
-            Self::CreatePooled => Self::Create,
-            Self::ReplayPooled => Self::Replay,
+            Self::CreatePooled | Self::CreateLarge => Self::Create,
+            Self::ReplayPooled | Self::ReplayLarge => Self::Replay,
             other => other,
         }
+    }
+
+    /// The scenario runs on the preloaded tables, after every other.
+    pub(crate) fn large(self) -> bool {
+        matches!(self, Self::CreateLarge | Self::ReplayLarge)
     }
 }
 
@@ -163,7 +183,7 @@ async fn send(
     }
 }
 
-fn histogram() -> Histogram<u64> {
+pub(crate) fn histogram() -> Histogram<u64> {
     // Microseconds, three significant digits: 1 µs to a minute.
     Histogram::new_with_bounds(1, MAX_RECORDED.as_micros() as u64, 3)
         .expect("valid histogram bounds")
@@ -186,6 +206,10 @@ pub(crate) async fn run(
     target: &Target,
 ) -> anyhow::Result<Outcome> {
     let scenario = scenario.requests();
+    anyhow::ensure!(
+        scenario != Scenario::Open,
+        "the open loop runs in open_loop::run"
+    );
     if scenario == Scenario::Storm {
         return storm(warmup, duration, target).await;
     }
@@ -206,7 +230,10 @@ pub(crate) async fn run(
                     Scenario::Baseline
                     | Scenario::Storm
                     | Scenario::CreatePooled
-                    | Scenario::ReplayPooled => None,
+                    | Scenario::ReplayPooled
+                    | Scenario::Open
+                    | Scenario::CreateLarge
+                    | Scenario::ReplayLarge => None,
                 };
                 let path = if scenario == Scenario::Baseline {
                     "/bench/rides"
@@ -248,7 +275,7 @@ pub(crate) async fn run(
 
 /// The key the replay scenario sends, booked by the first user before any measurement
 /// ([`book_replayed_key`]), so that a replay measurement counts nothing but replays.
-const REPLAYED_KEY: &str = "bench-replayed";
+pub(crate) const REPLAYED_KEY: &str = "bench-replayed";
 
 /// Books [`REPLAYED_KEY`].
 pub(crate) async fn book_replayed_key(target: &Target) -> anyhow::Result<()> {
@@ -261,7 +288,7 @@ pub(crate) async fn book_replayed_key(target: &Target) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn micros(d: Duration) -> u64 {
+pub(crate) fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
 }
 

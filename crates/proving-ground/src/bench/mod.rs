@@ -21,11 +21,22 @@
 //! through `scripts/pgbouncer.sh` when they are selected and stopped at its end; the report
 //! gives each one's rate against the direct scenario's at the same concurrency.
 //!
+//! `open` offers bookings at fixed rates instead, 0.5×, 1× and 2× the capacity `create`
+//! measured at the run's highest concurrency (`--open-load`, `--open-rate`), with Poisson
+//! arrivals and each latency counted from the request's intended start ([`open_loop`]): it
+//! shows what the service does past its capacity (shed at once with 503s, or queue). It runs
+//! after the closed-loop scenarios. `create_large` and `replay_large` run last, once
+//! `--preload-keys` finished bookings are loaded into the service's tables ([`preload`]); the
+//! report gives the key table's sizes and index depths before and after, and each one's rate
+//! against `create`'s and `replay`'s at the same concurrency.
+//!
 //! The benchmark checks its own results too: every storm key booked once, one gateway charge
 //! per paid ride, and every pooled request answered as its direct twin would be. It asserts
 //! nothing about speed.
 
 mod load;
+pub mod open_loop;
+pub mod preload;
 mod probe;
 pub mod report;
 mod stack;
@@ -38,9 +49,11 @@ use anyhow::Context;
 use clap::Args;
 
 pub use self::load::Scenario;
-use self::load::{Outcome, Target, STORM_SIZE};
+use self::load::{Outcome, Target, REPLAYED_KEY, STORM_SIZE};
+use self::open_loop::{Offer, OpenLoop};
+use self::preload::PRELOADED_CHARGE_PREFIX;
 use self::probe::{Counters, Cpu};
-use self::report::{Check, CpuPerRequest, Latency, Measurement, Report};
+use self::report::{Check, CpuPerRequest, LargeTable, Latency, Measurement, Report};
 use self::stack::{Databases, Programs, Stack};
 use crate::pgbouncer::PgBouncer;
 
@@ -61,12 +74,13 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,8,32",
           value_parser = clap::value_parser!(u16).range(1..=512))]
     pub concurrency: Vec<u16>,
-    /// Scenarios to run, in this order (comma-separated).
+    /// Scenarios to run, in this order (comma-separated); `open` runs after the closed-loop
+    /// ones, `create_large` and `replay_large` last.
     #[arg(
         long,
         value_delimiter = ',',
         value_enum,
-        default_value = "create,replay,create_pooled,replay_pooled,storm,baseline"
+        default_value = "create,replay,create_pooled,replay_pooled,storm,baseline,open,create_large,replay_large"
     )]
     pub scenario: Vec<Scenario>,
     /// The script that starts a PgBouncer in transaction pooling in front of DATABASE_URL's
@@ -99,6 +113,43 @@ pub struct BenchArgs {
     /// Keep the run's databases afterwards.
     #[arg(long)]
     pub keep_databases: bool,
+    /// `open`: the capacity its loads multiply, in bookings per second. Default: the rate of
+    /// `create` at the run's highest concurrency (which `open` then needs in the run).
+    #[arg(long, value_parser = parse_positive)]
+    pub open_rate: Option<f64>,
+    /// `open`: the multiples of the capacity to offer, each in a life of the stack of its own
+    /// (comma-separated).
+    #[arg(long, value_delimiter = ',', value_parser = parse_positive, default_value = "0.5,1,2")]
+    pub open_load: Vec<f64>,
+    /// `open`: requests sent and not yet answered at most; an arrival past it is not sent and
+    /// is counted as client-dropped.
+    #[arg(long, default_value_t = 2000,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub open_max_outstanding: u32,
+    /// `open`: how long a request waits for its answer before the client gives up (counted as
+    /// a timeout). Above the service's pool acquire timeout, so that its own bounds answer
+    /// first.
+    #[arg(long, value_parser = rocket_rides::config::parse_duration, default_value = "10s")]
+    pub open_timeout: Duration,
+    /// `open`: the seed of the arrival times, so that two runs offer the same arrivals.
+    #[arg(long, default_value_t = 1)]
+    pub open_seed: u64,
+    /// `create_large`, `replay_large`: finished bookings loaded into the tables before they run.
+    #[arg(long, default_value_t = 1_000_000,
+          value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    pub preload_keys: u64,
+    /// After the large scenarios (and the checks), run the reaper over every finished key and
+    /// report the key table's dead rows before vacuum. Slow on a million keys: the reaper
+    /// deletes in batches of a thousand.
+    #[arg(long)]
+    pub reap: bool,
+}
+
+fn parse_positive(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("must be a positive number, got {s:?}")),
+    }
 }
 
 fn parse_bounded_duration(s: &str) -> Result<Duration, String> {
@@ -150,6 +201,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Report> {
     if let (Some(service), Some(gateway)) = (&args.compare_service_bin, &args.compare_gateway_bin) {
         builds.push(("compared", Programs::find(Some(service), Some(gateway))?));
     }
+    anyhow::ensure!(
+        args.open_rate.is_some()
+            || !scenarios.contains(&Scenario::Open)
+            || scenarios.contains(&Scenario::Create),
+        "the open loop multiplies the capacity `create` measures: add create to --scenario, or \
+         give the capacity with --open-rate"
+    );
+    anyhow::ensure!(!args.open_load.is_empty(), "--open-load names no multiple");
     anyhow::ensure!(
         builds[0].1.has_baseline || !scenarios.contains(&Scenario::Baseline),
         "the baseline needs a service built with `--features bench` ({} says {:?}); \
@@ -303,31 +362,53 @@ async fn measure_all(
         eprintln!("bench: PostgreSQL's processes are not visible here; its CPU is not measured");
     }
     let mut measurements = Vec::new();
-    for &scenario in scenarios {
-        let counts = if scenario == Scenario::Storm {
-            vec![STORM_SIZE]
-        } else {
-            concurrency.to_vec()
-        };
-        for c in counts {
-            for round in 0..args.rounds {
-                // Alternately, so that a drift of the machine touches every build alike.
-                for subject in subjects.iter_mut() {
-                    if scenario == Scenario::Baseline && !subject.programs.has_baseline {
-                        continue;
-                    }
-                    eprintln!(
-                        "bench: {} at c{c}, {} build, round {}",
-                        scenario.name(),
-                        subject.name,
-                        round + 1
-                    );
-                    let tag = format!("{run}-{}-c{c}-r{round}", scenario.name());
-                    let mut m = measure_one(args, subject, scenario, c, &tag, postmaster).await?;
-                    m.round = round + 1;
-                    measurements.push(m);
-                }
+    // The closed loops first, in the order given; then the open loop, which needs `create`'s
+    // capacity; the large tables last, since their preload stays in the databases.
+    for &scenario in scenarios
+        .iter()
+        .filter(|s| **s != Scenario::Open && !s.large())
+    {
+        measure_closed(
+            args,
+            subjects,
+            scenario,
+            concurrency,
+            run,
+            postmaster,
+            &mut measurements,
+        )
+        .await?;
+    }
+    let mut open_loop = Vec::new();
+    if scenarios.contains(&Scenario::Open) {
+        for subject in subjects.iter_mut() {
+            let capacity = match args.open_rate {
+                Some(rate) => rate,
+                None => report::highest_median(&measurements, subject.name, "create")
+                    .map(|m| m.requests_per_s)
+                    .context("the open loop needs create's rate, and create measured none")?,
+            };
+            for &load in &args.open_load {
+                open_loop.push(measure_open(args, subject, load, capacity, run).await?);
             }
+        }
+    }
+    let mut large_tables = Vec::new();
+    if scenarios.iter().any(|s| s.large()) {
+        for subject in subjects.iter_mut() {
+            large_tables.push(preload_one(args, subject).await?);
+        }
+        for &scenario in scenarios.iter().filter(|s| s.large()) {
+            measure_closed(
+                args,
+                subjects,
+                scenario,
+                concurrency,
+                run,
+                postmaster,
+                &mut measurements,
+            )
+            .await?;
         }
     }
 
@@ -339,6 +420,12 @@ async fn measure_all(
         checks.push(charge_check(subject).await?);
     }
     checks.extend(report::pooled_answers_checks(&measurements));
+    // Last, once the checks have read the keys: the reaper deletes every finished key.
+    let reaped = if args.reap { large_tables.len() } else { 0 };
+    for (table, subject) in large_tables.iter_mut().zip(subjects.iter()).take(reaped) {
+        eprintln!("bench: reaping every finished key, {} build", subject.name);
+        table.after_reap = Some(preload::reap_all(&subject.databases).await?);
+    }
     let mut report = Report {
         run: run.to_owned(),
         service_version: subjects[0].programs.service_version.clone(),
@@ -355,12 +442,107 @@ async fn measure_all(
         ratios: Vec::new(),
         pooler: Vec::new(),
         comparison: Vec::new(),
+        open_loop,
+        large_tables,
         measurements,
         checks,
         passed: false,
     };
     report.summarize();
     Ok(report)
+}
+
+/// One closed-loop scenario at every concurrency (the storm at its own), every round, every
+/// build.
+async fn measure_closed(
+    args: &BenchArgs,
+    subjects: &mut [Subject],
+    scenario: Scenario,
+    concurrency: &[usize],
+    run: &str,
+    postmaster: Option<u32>,
+    measurements: &mut Vec<Measurement>,
+) -> anyhow::Result<()> {
+    let counts = if scenario == Scenario::Storm {
+        vec![STORM_SIZE]
+    } else {
+        concurrency.to_vec()
+    };
+    for c in counts {
+        for round in 0..args.rounds {
+            // Alternately, so that a drift of the machine touches every build alike.
+            for subject in subjects.iter_mut() {
+                if scenario == Scenario::Baseline && !subject.programs.has_baseline {
+                    continue;
+                }
+                eprintln!(
+                    "bench: {} at c{c}, {} build, round {}",
+                    scenario.name(),
+                    subject.name,
+                    round + 1
+                );
+                let tag = format!("{run}-{}-c{c}-r{round}", scenario.name());
+                let mut m = measure_one(args, subject, scenario, c, &tag, postmaster).await?;
+                m.round = round + 1;
+                measurements.push(m);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One open-loop load in a life of the stack of its own.
+async fn measure_open(
+    args: &BenchArgs,
+    subject: &mut Subject,
+    load: f64,
+    capacity: f64,
+    run: &str,
+) -> anyhow::Result<OpenLoop> {
+    let offer = Offer {
+        rate: load * capacity,
+        warmup: args.warmup,
+        duration: args.duration,
+        max_outstanding: args.open_max_outstanding as usize,
+        timeout: args.open_timeout,
+        seed: args.open_seed,
+    };
+    eprintln!(
+        "bench: open at {load}× {capacity:.0} = {:.0} req/s, {} build",
+        offer.rate, subject.name
+    );
+    let stack = Stack::start(&subject.programs, &subject.databases, None, &subject.logs).await?;
+    let target = Target {
+        base: stack.base.clone(),
+        api_keys: subject.api_keys.clone(),
+        tag: format!("{run}-open-{load}"),
+    };
+    let measured = open_loop::run(&offer, &target, subject.name, load, capacity).await;
+    stack.stop().await?;
+    measured
+}
+
+/// The key table before and after loading `--preload-keys` finished bookings.
+async fn preload_one(args: &BenchArgs, subject: &mut Subject) -> anyhow::Result<LargeTable> {
+    let empty = preload::key_table(&subject.databases).await?;
+    eprintln!(
+        "bench: preloading {} finished bookings, {} build",
+        args.preload_keys, subject.name
+    );
+    let started = std::time::Instant::now();
+    let preloaded_keys =
+        preload::preload(&subject.databases, REPLAYED_KEY, args.preload_keys).await?;
+    let preload_s = started.elapsed().as_secs_f64();
+    let large = preload::key_table(&subject.databases).await?;
+    Ok(LargeTable {
+        build: subject.name,
+        preloaded_keys,
+        preload_s,
+        empty,
+        large,
+        ratios: Vec::new(),
+        after_reap: None,
+    })
 }
 
 /// One life of the stack: start, load, stop, and the counters around it.
@@ -435,8 +617,6 @@ fn measurement(
 ) -> Measurement {
     let sent = outcome.sent.max(1) as f64;
     let per = |n: i64| n as f64 / sent;
-    let ms = |micros: u64| micros as f64 / 1000.0;
-    let latency = &outcome.latency;
     Measurement {
         build: subject,
         round: 1,
@@ -444,12 +624,7 @@ fn measurement(
         concurrency,
         requests: outcome.measured,
         requests_per_s: outcome.measured as f64 / outcome.measured_for.as_secs_f64().max(1e-9),
-        latency_ms: Latency {
-            p50: ms(latency.value_at_quantile(0.50)),
-            p90: ms(latency.value_at_quantile(0.90)),
-            p99: ms(latency.value_at_quantile(0.99)),
-            max: ms(latency.max()),
-        },
+        latency_ms: Latency::of(&outcome.latency),
         answers: outcome.answers.clone(),
         requests_sent: outcome.sent,
         transactions_per_request: per(counters.service.transactions),
@@ -505,10 +680,20 @@ async fn storm_check(subject: &Subject) -> anyhow::Result<Check> {
 /// charge of one paid ride, over the whole run.
 async fn charge_check(subject: &Subject) -> anyhow::Result<Check> {
     let databases = &subject.databases;
-    let recorded: Vec<String> =
-        sqlx::query_scalar("SELECT charge_id FROM rides WHERE status = 'paid'")
-            .fetch_all(&mut databases.connect_service().await?)
-            .await?;
+    let mut service = databases.connect_service().await?;
+    // The preloaded rides are copies whose charges were never made (`preload`): counted apart.
+    let recorded: Vec<String> = sqlx::query_scalar(
+        "SELECT charge_id FROM rides WHERE status = 'paid' AND NOT starts_with(charge_id, $1)",
+    )
+    .bind(PRELOADED_CHARGE_PREFIX)
+    .fetch_all(&mut service)
+    .await?;
+    let preloaded: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM rides WHERE status = 'paid' AND starts_with(charge_id, $1)",
+    )
+    .bind(PRELOADED_CHARGE_PREFIX)
+    .fetch_one(&mut service)
+    .await?;
     let made: Vec<String> = sqlx::query_scalar("SELECT id FROM fakestripe.charges")
         .fetch_all(&mut databases.connect_gateway().await?)
         .await?;
@@ -524,7 +709,8 @@ async fn charge_check(subject: &Subject) -> anyhow::Result<Check> {
         passed: shared == 0 && unknown == 0 && orphaned == 0,
         detail: format!(
             "{} paid rides, {} gateway charges; {shared} charges on two rides, {unknown} \
-             recorded charges the gateway never made, {orphaned} charges of no ride",
+             recorded charges the gateway never made, {orphaned} charges of no ride \
+             ({preloaded} preloaded rides left out)",
             recorded.len(),
             made.len()
         ),

@@ -7,6 +7,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use super::open_loop::OpenLoop;
+use super::preload::{AfterReap, KeyTable};
+
 /// Latency percentiles, in milliseconds.
 #[derive(Debug, Clone, Serialize)]
 pub struct Latency {
@@ -14,6 +17,19 @@ pub struct Latency {
     pub p90: f64,
     pub p99: f64,
     pub max: f64,
+}
+
+impl Latency {
+    /// The percentiles of a histogram of microseconds.
+    pub(crate) fn of(histogram: &hdrhistogram::Histogram<u64>) -> Self {
+        let ms = |micros: u64| micros as f64 / 1000.0;
+        Self {
+            p50: ms(histogram.value_at_quantile(0.50)),
+            p90: ms(histogram.value_at_quantile(0.90)),
+            p99: ms(histogram.value_at_quantile(0.99)),
+            max: ms(histogram.max()),
+        }
+    }
 }
 
 /// CPU time per request, in milliseconds.
@@ -100,6 +116,37 @@ pub struct Comparison {
     pub compared_wal_bytes_per_request: f64,
 }
 
+/// One build's key table grown by `--preload-keys` finished bookings, and what it costs.
+#[derive(Debug, Clone, Serialize)]
+pub struct LargeTable {
+    pub build: &'static str,
+    /// Preloaded keys counted in the table after the load.
+    pub preloaded_keys: i64,
+    /// Seconds the load and its `ANALYZE` took.
+    pub preload_s: f64,
+    /// The key table before the load (what the other scenarios left) and after it.
+    pub empty: KeyTable,
+    pub large: KeyTable,
+    /// `create_large / create` and `replay_large / replay` at every concurrency both ran at.
+    pub ratios: Vec<LargeRatio>,
+    /// The key table once the reaper deleted every finished key, the run's last act.
+    pub after_reap: Option<AfterReap>,
+}
+
+/// A scenario on the preloaded tables against the same scenario earlier in the run (medians).
+#[derive(Debug, Clone, Serialize)]
+pub struct LargeRatio {
+    /// `create` or `replay`.
+    pub scenario: &'static str,
+    pub concurrency: usize,
+    pub empty_requests_per_s: f64,
+    pub large_requests_per_s: f64,
+    /// large / empty, in requests per second (the goal: at least 0.9).
+    pub large_vs_empty: f64,
+    pub empty_p99_ms: f64,
+    pub large_p99_ms: f64,
+}
+
 /// A correctness check the benchmark makes on its own results.
 #[derive(Debug, Clone, Serialize)]
 pub struct Check {
@@ -132,21 +179,48 @@ pub struct Report {
     /// `create_pooled / create` and `replay_pooled / replay` at every concurrency both ran at.
     pub pooler: Vec<PoolerRatio>,
     pub comparison: Vec<Comparison>,
+    /// `open`: one entry per build and load, in the order they ran.
+    pub open_loop: Vec<OpenLoop>,
+    /// `create_large`, `replay_large`: one entry per build.
+    pub large_tables: Vec<LargeTable>,
     pub measurements: Vec<Measurement>,
     pub checks: Vec<Check>,
     pub passed: bool,
 }
 
+/// The median round of one build's scenario at one concurrency, by requests per second.
+fn median<'a>(
+    measurements: &'a [Measurement],
+    build: &str,
+    scenario: &str,
+    concurrency: usize,
+) -> Option<&'a Measurement> {
+    let mut rounds: Vec<&Measurement> = measurements
+        .iter()
+        .filter(|m| m.build == build && m.scenario == scenario && m.concurrency == concurrency)
+        .collect();
+    rounds.sort_by(|a, b| a.requests_per_s.total_cmp(&b.requests_per_s));
+    rounds.get(rounds.len().saturating_sub(1) / 2).copied()
+}
+
+/// The median round of one build's scenario at the highest concurrency it ran at.
+pub(crate) fn highest_median<'a>(
+    measurements: &'a [Measurement],
+    build: &str,
+    scenario: &str,
+) -> Option<&'a Measurement> {
+    let concurrency = measurements
+        .iter()
+        .filter(|m| m.build == build && m.scenario == scenario)
+        .map(|m| m.concurrency)
+        .max()?;
+    median(measurements, build, scenario, concurrency)
+}
+
 impl Report {
     /// The median round of one build's scenario at one concurrency, by requests per second.
     fn median(&self, build: &str, scenario: &str, concurrency: usize) -> Option<&Measurement> {
-        let mut rounds: Vec<&Measurement> = self
-            .measurements
-            .iter()
-            .filter(|m| m.build == build && m.scenario == scenario && m.concurrency == concurrency)
-            .collect();
-        rounds.sort_by(|a, b| a.requests_per_s.total_cmp(&b.requests_per_s));
-        rounds.get(rounds.len().saturating_sub(1) / 2).copied()
+        median(&self.measurements, build, scenario, concurrency)
     }
 
     /// The (scenario, concurrency) pairs measured, in the order they ran.
@@ -163,13 +237,7 @@ impl Report {
     /// Fills in the headlines, ratios and comparisons from the measurements.
     pub(crate) fn summarize(&mut self) {
         let highest = |report: &Self, name: &str| {
-            let concurrency = report
-                .measurements
-                .iter()
-                .filter(|m| m.build == "current" && m.scenario == name)
-                .map(|m| m.concurrency)
-                .max()?;
-            report.median("current", name, concurrency).cloned()
+            highest_median(&report.measurements, "current", name).cloned()
         };
         self.create = highest(self, "create");
         self.replay = highest(self, "replay");
@@ -231,7 +299,58 @@ impl Report {
                 })
             })
             .collect();
+        self.summarize_open_loop();
+        self.summarize_large_tables();
         self.passed = self.checks.iter().all(|c| c.passed);
+    }
+
+    /// Each open-loop load's 201 p99 against the one at its build's lowest load.
+    fn summarize_open_loop(&mut self) {
+        let lowest: Vec<(&'static str, f64)> = self
+            .open_loop
+            .iter()
+            .map(|o| {
+                let lowest = self
+                    .open_loop
+                    .iter()
+                    .filter(|l| l.build == o.build && l.created > 0)
+                    .min_by(|a, b| a.load.total_cmp(&b.load))
+                    .map_or(f64::NAN, |l| l.created_latency_ms.p99);
+                (o.build, lowest)
+            })
+            .collect();
+        for (o, (_, lowest)) in self.open_loop.iter_mut().zip(lowest) {
+            o.created_p99_vs_lowest_load =
+                (o.created > 0 && lowest > 0.0).then(|| o.created_latency_ms.p99 / lowest);
+        }
+    }
+
+    /// Each large scenario against its twin on the table the other scenarios left.
+    fn summarize_large_tables(&mut self) {
+        let cells = self.cells();
+        for table in &mut self.large_tables {
+            table.ratios = cells
+                .iter()
+                .filter_map(|&(scenario, c)| {
+                    let empty_name = match scenario {
+                        "create_large" => "create",
+                        "replay_large" => "replay",
+                        _ => return None,
+                    };
+                    let large = median(&self.measurements, table.build, scenario, c)?;
+                    let empty = median(&self.measurements, table.build, empty_name, c)?;
+                    Some(LargeRatio {
+                        scenario: empty_name,
+                        concurrency: c,
+                        empty_requests_per_s: empty.requests_per_s,
+                        large_requests_per_s: large.requests_per_s,
+                        large_vs_empty: large.requests_per_s / empty.requests_per_s,
+                        empty_p99_ms: empty.latency_ms.p99,
+                        large_p99_ms: large.latency_ms.p99,
+                    })
+                })
+                .collect();
+        }
     }
 
     /// The table for a terminal.
@@ -335,6 +454,8 @@ impl Report {
                 );
             }
         }
+        self.open_loop_lines(&mut out);
+        self.large_table_lines(&mut out);
         let _ = writeln!(out);
         for check in &self.checks {
             let verdict = if check.passed { "ok  " } else { "FAIL" };
@@ -345,6 +466,100 @@ impl Report {
             );
         }
         out
+    }
+
+    fn open_loop_lines(&self, out: &mut String) {
+        if self.open_loop.is_empty() {
+            return;
+        }
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "{:<8} {:>5} {:>8} {:>8} {:>6} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8} {:>6} {:>5} {:>5}  other",
+            "open", "load", "offered", "201/s", "shed%", "201 p50", "201 p99", "201 max",
+            "p99/low", "503 p50", "503 p99", "no RA", "t/o", "drop"
+        );
+        for o in &self.open_loop {
+            let shed = o.shed_latency_ms.as_ref();
+            let shed_ms =
+                |f: fn(&Latency) -> f64| shed.map_or("-".to_owned(), |l| format!("{:.1}", f(l)));
+            let other: Vec<String> = o.other.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+            let _ = writeln!(
+                out,
+                "{:<8} {:>4.1}× {:>8.0} {:>8.0} {:>6.1} {:>8.1} {:>8.1} {:>8.1} {:>7} {:>8} {:>8} {:>6} {:>5} {:>5}  {}",
+                o.build,
+                o.load,
+                o.offered_requests_per_s,
+                o.created_per_s,
+                o.shed_share * 100.0,
+                o.created_latency_ms.p50,
+                o.created_latency_ms.p99,
+                o.created_latency_ms.max,
+                o.created_p99_vs_lowest_load
+                    .map_or("-".to_owned(), |r| format!("{r:.2}×")),
+                shed_ms(|l| l.p50),
+                shed_ms(|l| l.p99),
+                o.shed_without_retry_after,
+                o.timeouts,
+                o.client_dropped,
+                other.join(", ")
+            );
+        }
+    }
+
+    fn large_table_lines(&self, out: &mut String) {
+        for t in &self.large_tables {
+            let _ = writeln!(out);
+            let depth = |table: &KeyTable| -> String {
+                table
+                    .indexes
+                    .iter()
+                    .map(|i| {
+                        let level = i.btree_level.map_or("?".to_owned(), |l| l.to_string());
+                        format!("{} {:.1} MB level {level}", i.name, i.bytes as f64 / 1e6)
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            for (name, table) in [("before", &t.empty), ("after", &t.large)] {
+                let _ = writeln!(
+                    out,
+                    "key table {name} the preload ({} build): {} rows, heap {:.1} MB, total {:.1} MB; {}",
+                    t.build,
+                    table.rows,
+                    table.heap_bytes as f64 / 1e6,
+                    table.total_bytes as f64 / 1e6,
+                    depth(table)
+                );
+            }
+            if let Some(reap) = &t.after_reap {
+                let _ = writeln!(
+                    out,
+                    "after reaping {} keys in {:.1} s, before vacuum: {} dead rows, heap {:.1} MB, total {:.1} MB",
+                    reap.reaped,
+                    reap.reap_s,
+                    reap.dead_tuples,
+                    reap.table.heap_bytes as f64 / 1e6,
+                    reap.table.total_bytes as f64 / 1e6
+                );
+            }
+            for r in &t.ratios {
+                let _ = writeln!(
+                    out,
+                    "{}_large / {} at c{} ({} keys preloaded in {:.1} s): {:.0} / {:.0} req/s = {:.2}× (p99 {:.1} vs {:.1} ms)",
+                    r.scenario,
+                    r.scenario,
+                    r.concurrency,
+                    t.preloaded_keys,
+                    t.preload_s,
+                    r.large_requests_per_s,
+                    r.empty_requests_per_s,
+                    r.large_vs_empty,
+                    r.large_p99_ms,
+                    r.empty_p99_ms
+                );
+            }
+        }
     }
 
     pub fn write_json(&self, path: &Path) -> std::io::Result<()> {
@@ -493,6 +708,8 @@ mod tests {
             ratios: Vec::new(),
             pooler: Vec::new(),
             comparison: Vec::new(),
+            open_loop: Vec::new(),
+            large_tables: Vec::new(),
             measurements: vec![create, pooled, measurement("replay_pooled", &[])],
             checks: Vec::new(),
             passed: false,
