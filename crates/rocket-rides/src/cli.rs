@@ -1,4 +1,4 @@
-//! The command line: `rocket-rides migrate | users create | serve | keys list|show`.
+//! The command line: `rocket-rides migrate | users create|rotate-key | serve | keys list|show`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,7 +9,8 @@ use idempotency::{DatabaseClock, KeyFilter, Store};
 
 use crate::app::{self, AppState};
 use crate::config::{
-    DatabasePooler, GatewayArgs, HttpArgs, LeaseArgs, RetentionArgs, ShutdownArgs, WorkerArgs,
+    ApiKeyArgs, DatabasePooler, GatewayArgs, HttpArgs, LeaseArgs, RetentionArgs, ShutdownArgs,
+    WorkerArgs,
 };
 use crate::shutdown::{os_signal, Shutdown, HARD_STOP_MARGIN};
 use crate::telemetry::LogFormat;
@@ -170,6 +171,8 @@ enum Command {
         #[command(flatten)]
         retention: RetentionArgs,
         #[command(flatten)]
+        api_key: ApiKeyArgs,
+        #[command(flatten)]
         shutdown: ShutdownArgs,
     },
     /// Run the completer, the outbox drain and the reaper.
@@ -217,6 +220,15 @@ enum UsersCommand {
         card: String,
         #[command(flatten)]
         gateway: GatewayArgs,
+    },
+    /// Give a user a new API key, printed once as JSON; the old one is refused once each serving
+    /// process's cached look-up of it expires (serve's --api-key-cache-ttl, 5s by default).
+    RotateKey {
+        #[command(flatten)]
+        db: DatabaseArgs,
+        /// The user's email.
+        #[arg(long)]
+        email: String,
     },
 }
 
@@ -286,6 +298,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let user = crate::users::create_user_on(&store, &stripe, &email, &card).await?;
             println!("{}", serde_json::to_string(&user)?);
         }
+        Command::Users {
+            command: UsersCommand::RotateKey { db, email },
+        } => {
+            let store = db.store(connect(&db, 2).await?)?;
+            let rotated = crate::users::rotate_api_key(&store, &email).await?;
+            println!("{}", serde_json::to_string(&rotated)?);
+        }
         Command::Serve {
             db,
             listen,
@@ -296,6 +315,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             gateway,
             lease,
             retention,
+            api_key,
             shutdown,
         } => {
             let metrics = if metrics_on_public_listener {
@@ -312,6 +332,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 gateway,
                 lease,
                 retention,
+                api_key,
                 shutdown,
             })
             .await?;
@@ -393,6 +414,7 @@ struct Serving {
     gateway: GatewayArgs,
     lease: LeaseArgs,
     retention: RetentionArgs,
+    api_key: ApiKeyArgs,
     shutdown: ShutdownArgs,
 }
 
@@ -478,16 +500,20 @@ async fn serve(settings: Serving) -> anyhow::Result<()> {
         gateway,
         lease,
         retention,
+        api_key,
         shutdown,
     } = settings;
     crate::config::validate_http(&http, &gateway).map_err(anyhow::Error::msg)?;
     crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
     crate::config::validate_key_retention(retention.key_retention).map_err(anyhow::Error::msg)?;
+    crate::config::validate_api_key_cache_ttl(api_key.api_key_cache_ttl)
+        .map_err(anyhow::Error::msg)?;
     let pool = connect_serving(&db, max_connections).await?;
     // Finished keys expire at read after the retention: a late retry's answer depends on its
     // key's age, not on when the worker's reaper last ran.
     let mut state = AppState::new(pool, Arc::new(DatabaseClock), &gateway, &lease)?
         .with_key_retention(retention.key_retention)?
+        .with_api_key_cache_ttl(api_key.api_key_cache_ttl)?
         .with_statements(db.pooler.database_pooler.statements());
     refuse_an_unseen_cancelled_wait(&state).await?;
     state.http = http.clone();

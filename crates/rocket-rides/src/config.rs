@@ -6,6 +6,7 @@ use std::time::Duration;
 use clap::Args;
 use idempotency::Statements;
 
+use crate::auth::cache::MAX_API_KEY_CACHE_TTL;
 use crate::stripe::{ClientError, StripeClient, DEFAULT_CONNECT_TIMEOUT, DEFAULT_GATEWAY_TIMEOUT};
 
 /// The largest request body accepted; a ride request is about 120 bytes.
@@ -157,6 +158,27 @@ impl Default for RetentionArgs {
             key_retention: DEFAULT_KEY_RETENTION,
         }
     }
+}
+
+/// `serve`'s API key cache.
+#[derive(Debug, Clone, Args)]
+pub struct ApiKeyArgs {
+    /// How long an API key is trusted after its look-up in the database, per process: a key
+    /// rotated away (`users rotate-key`) keeps working at most this long. 0 looks the key up on
+    /// every request; at most 60s.
+    #[arg(long, env = "API_KEY_CACHE_TTL", value_parser = parse_duration, default_value = "5s")]
+    pub api_key_cache_ttl: Duration,
+}
+
+/// Checks `--api-key-cache-ttl`.
+pub fn validate_api_key_cache_ttl(ttl: Duration) -> Result<(), String> {
+    if ttl > MAX_API_KEY_CACHE_TTL {
+        return Err(format!(
+            "--api-key-cache-ttl ({ttl:?}) must be at most {MAX_API_KEY_CACHE_TTL:?}: a key \
+             rotated away keeps working this long"
+        ));
+    }
+    Ok(())
 }
 
 /// Checks `--key-retention`, for `serve` and `worker` alike.

@@ -7,6 +7,7 @@ use idempotency::{Clock, Store};
 use sqlx::PgPool;
 use tokio_util::task::TaskTracker;
 
+use crate::auth::cache::{ApiKeyCache, DEFAULT_API_KEY_CACHE_TTL};
 use crate::config::{GatewayArgs, HttpArgs, LeaseArgs};
 use crate::failpoints::Failpoints;
 use crate::metrics::Metrics;
@@ -38,6 +39,8 @@ pub struct AppState {
     pub store: Store,
     /// The payment gateway.
     pub stripe: StripeClient,
+    /// The API keys looked up lately (`--api-key-cache-ttl`).
+    pub api_keys: ApiKeyCache,
     /// How long after its first use a gateway key is trusted to be remembered.
     pub gateway_key_window: Duration,
     /// How long the gateway may still be working on a request we sent: no reconciling list is
@@ -66,6 +69,7 @@ impl AppState {
         crate::config::validate(gateway, lease).map_err(StartError::Settings)?;
         let metrics = Metrics::default();
         metrics.pool_max(pool.options().get_max_connections());
+        let api_keys = ApiKeyCache::new(DEFAULT_API_KEY_CACHE_TTL, clock.clone());
         let store = Store::new(pool.clone(), clock, lease.lease_ttl)?
             .with_heartbeat(lease.lease_heartbeat)?
             .with_observer(Arc::new(metrics.clone()));
@@ -74,6 +78,7 @@ impl AppState {
             pool,
             store,
             stripe,
+            api_keys,
             gateway_key_window: gateway.gateway_key_window,
             gateway_processing_bound: gateway.gateway_processing_bound,
             giving_up: Signal::never(),
@@ -92,6 +97,14 @@ impl AppState {
     pub fn with_statements(mut self, statements: idempotency::Statements) -> Self {
         self.store = self.store.with_statements(statements);
         self
+    }
+
+    /// Keeps API keys for `ttl` after their look-up (`--api-key-cache-ttl`, at most
+    /// [`crate::auth::cache::MAX_API_KEY_CACHE_TTL`]; zero looks every key up on every request).
+    pub fn with_api_key_cache_ttl(mut self, ttl: Duration) -> Result<Self, StartError> {
+        crate::config::validate_api_key_cache_ttl(ttl).map_err(StartError::Settings)?;
+        self.api_keys = self.api_keys.with_ttl(ttl);
+        Ok(self)
     }
 
     /// Gives the key store its retention (`--key-retention`, at least 24 h): a key that

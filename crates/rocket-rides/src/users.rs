@@ -125,3 +125,50 @@ pub async fn create_user_on(
         api_key,
     })
 }
+
+/// A user's new API key, after `users rotate-key`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RotatedKey {
+    /// `users.id`.
+    pub id: i64,
+    /// The email.
+    pub email: String,
+    /// The new API key: shown now, never again.
+    pub api_key: String,
+}
+
+/// Why a key could not be rotated.
+#[derive(Debug, thiserror::Error)]
+pub enum RotateKeyError {
+    /// No complete user has this email.
+    #[error("no user with email {0:?} has an API key (see `users create`)")]
+    NoSuchUser(String),
+    /// The database failed.
+    #[error("store the new API key: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// Replaces the API key of the user with this email by a new one: the old key is refused as soon
+/// as every serving process's cached look-up of it has expired (`--api-key-cache-ttl`, 5 s by
+/// default). A user that `users create` did not complete has no key to rotate, and is left alone.
+pub async fn rotate_api_key(store: &Store, email: &str) -> Result<RotatedKey, RotateKeyError> {
+    let api_key = generate_api_key();
+    let mut db = store.autocommit().await?;
+    let id: Option<i64> = sqlx::query_scalar(
+        "UPDATE users SET api_key_hash = $2
+         WHERE email = $1 AND stripe_customer_id IS NOT NULL
+         RETURNING id",
+    )
+    .bind(email)
+    .bind(hash_api_key(&api_key).as_slice())
+    .persistent(store.persistent())
+    .fetch_optional(db.conn())
+    .await?;
+    db.done().await?;
+    let id = id.ok_or_else(|| RotateKeyError::NoSuchUser(email.to_owned()))?;
+    Ok(RotatedKey {
+        id,
+        email: email.to_owned(),
+        api_key,
+    })
+}

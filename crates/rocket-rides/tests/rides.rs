@@ -687,3 +687,101 @@ async fn a_key_older_than_the_retention_books_anew_whatever_the_reaper_did(pool:
     assert!(again.replayed());
     assert_eq!(again.body, anew.body);
 }
+
+#[sqlx::test(migrations = false)]
+async fn a_rotated_api_key_is_refused_once_its_cached_look_up_expires(pool: PgPool) {
+    use rocket_rides::auth::cache::DEFAULT_API_KEY_CACHE_TTL;
+
+    let app = TestApp::start(pool).await;
+    let (alice, old_key) = app.user("alice@example.com", "tok_visa").await;
+    let (bob, bob_key) = app.user("bob@example.com", "tok_visa").await;
+    // Both keys looked up and cached; each still books for its own user.
+    for (key, idem) in [(&old_key, "k-1"), (&bob_key, "k-2"), (&old_key, "k-3")] {
+        let reply = app.post_ride(Some(key), Some(idem), RIDE).await;
+        assert_eq!(reply.status, 201, "{reply:?}");
+    }
+    let per_user =
+        |user: i64| app.count_owned(format!("SELECT count(*) FROM rides WHERE user_id = {user}"));
+    assert_eq!((per_user(alice).await, per_user(bob).await), (2, 1));
+
+    let rotated = rocket_rides::users::rotate_api_key(&app.state.store, "alice@example.com")
+        .await
+        .unwrap();
+    assert_eq!(rotated.id, alice);
+    // The new key works at once: it was never looked up, so nothing cached stands in its way.
+    let reply = app
+        .post_ride(Some(&rotated.api_key), Some("k-4"), RIDE)
+        .await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    // The old one keeps working for the cache's TTL at most, as its own user only.
+    app.clock
+        .advance(DEFAULT_API_KEY_CACHE_TTL - std::time::Duration::from_millis(1));
+    let stale = app.post_ride(Some(&old_key), Some("k-5"), RIDE).await;
+    assert_eq!(stale.status, 201, "{stale:?}");
+    assert_eq!((per_user(alice).await, per_user(bob).await), (4, 1));
+    app.clock.advance(std::time::Duration::from_millis(1));
+    let refused = app.post_ride(Some(&old_key), Some("k-6"), RIDE).await;
+    assert_eq!(refused.status, 401, "{refused:?}");
+    assert_eq!(refused.problem_type(), types::UNAUTHORIZED);
+    // Refused keys are not remembered as refusals either: the moment a key is stored it works.
+    let unknown = rocket_rides::auth::generate_api_key();
+    let reply = app.post_ride(Some(&unknown), Some("k-7"), RIDE).await;
+    assert_eq!(reply.status, 401, "{reply:?}");
+    sqlx::query("UPDATE users SET api_key_hash = $1 WHERE id = $2")
+        .bind(rocket_rides::auth::hash_api_key(&unknown).as_slice())
+        .bind(bob)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let reply = app.post_ride(Some(&unknown), Some("k-7"), RIDE).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!((per_user(alice).await, per_user(bob).await), (4, 2));
+}
+
+#[sqlx::test(migrations = false)]
+async fn users_rotate_key_prints_a_new_key_and_refuses_an_unknown_email(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (alice, old_key) = app.user("alice@example.com", "tok_visa").await;
+    let url = common::url_of(&app.pool).await;
+    let rotate = |email: &str| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_rocket-rides"))
+            .args(["users", "rotate-key", "--email", email])
+            .env("DATABASE_URL", &url)
+            .env("RUST_LOG", "off")
+            .output()
+    };
+    let hashes = || async {
+        let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as("SELECT id, api_key_hash FROM users")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+        rows
+    };
+    let before = hashes().await;
+    let refused = rotate("nobody@example.com").await.unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("no user with email \"nobody@example.com\" has an API key"),
+        "{stderr}"
+    );
+    assert_eq!(hashes().await, before, "a refused rotation wrote nothing");
+
+    let rotated = rotate("alice@example.com").await.unwrap();
+    assert!(
+        rotated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rotated.stderr)
+    );
+    let printed: Value = serde_json::from_slice(&rotated.stdout).unwrap();
+    assert_eq!(printed["id"], alice);
+    let new_key = printed["api_key"].as_str().unwrap();
+    assert_ne!(new_key, old_key);
+    let stored = rocket_rides::auth::hash_api_key(new_key).to_vec();
+    assert_eq!(hashes().await, vec![(alice, stored)]);
+    // This service never looked the old key up, so it is refused at once.
+    let reply = app.post_ride(Some(&old_key), Some("k-1"), RIDE).await;
+    assert_eq!(reply.status, 401, "{reply:?}");
+    let reply = app.post_ride(Some(new_key), Some("k-1"), RIDE).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+}

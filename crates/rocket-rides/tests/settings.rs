@@ -121,6 +121,29 @@ fn serve_takes_the_key_retention_and_refuses_one_shorter_than_a_day() {
 }
 
 #[test]
+fn serve_documents_the_api_key_cache_ttl_and_refuses_one_over_a_minute() {
+    let help = rocket_rides(&["serve", "--help"], &[]);
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(text.contains("--api-key-cache-ttl"), "{text}");
+    assert!(text.contains("API_KEY_CACHE_TTL"), "{text}");
+    assert!(text.contains("rotate-key"), "{text}");
+    for (args, env) in [
+        (&["--api-key-cache-ttl", "61s"][..], &[][..]),
+        (&[], &[("API_KEY_CACHE_TTL", "2m")]),
+    ] {
+        let mut command = vec!["serve", "--listen", "127.0.0.1:0"];
+        command.extend_from_slice(args);
+        let mut env = env.to_vec();
+        env.push(("DATABASE_URL", DATABASE_URL));
+        let refused = rocket_rides(&command, &env);
+        assert!(!refused.status.success(), "{args:?} {env:?}");
+        let text = String::from_utf8_lossy(&refused.stderr);
+        assert!(text.contains("--api-key-cache-ttl"), "{text}");
+        assert!(text.contains("at most 60s"), "{text}");
+    }
+}
+
+#[test]
 fn metrics_are_either_on_their_own_listener_or_on_the_public_one_never_both() {
     let help = rocket_rides(&["serve", "--help"], &[]);
     let text = String::from_utf8_lossy(&help.stdout);

@@ -325,6 +325,11 @@ impl TestApp {
         sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
     }
 
+    /// [`TestApp::count`] of a statement built at run time.
+    pub async fn count_owned(&self, sql: String) -> i64 {
+        self.count(&sql).await
+    }
+
     pub async fn rides(&self) -> i64 {
         self.count("SELECT count(*) FROM rides").await
     }

@@ -1,4 +1,7 @@
-//! API keys: random, shown once, stored only as a SHA-256 hash.
+//! API keys: random, shown once, stored only as a SHA-256 hash; looked up once per
+//! `--api-key-cache-ttl` per process ([`cache`]).
+
+pub mod cache;
 
 use axum::extract::FromRequestParts;
 use http::request::Parts;
@@ -42,21 +45,35 @@ impl FromRequestParts<AppState> for AuthUser {
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         let key = bearer_token(&parts.headers)?;
-        let internal = |e: sqlx::Error| ApiError::Internal(format!("authenticate: {e}"));
-        let mut db = state.store.autocommit().await.map_err(internal)?;
-        let user: Option<(i64, String)> = sqlx::query_as(
-            "SELECT id, stripe_customer_id FROM users
-             WHERE api_key_hash = $1 AND stripe_customer_id IS NOT NULL",
-        )
-        .bind(hash_api_key(key).as_slice())
-        .persistent(state.store.persistent())
-        .fetch_optional(db.conn())
-        .await
-        .map_err(internal)?;
-        db.done().await.map_err(internal)?;
-        user.map(|(id, customer)| Self { id, customer })
-            .ok_or(ApiError::Unauthorized(UNAUTHORIZED_DETAIL))
+        let hash = hash_api_key(key);
+        if let Some(user) = state.api_keys.get(&hash) {
+            return Ok(user);
+        }
+        // Stamped before the look-up is sent: see `cache` for why the bound needs it.
+        let looked_up_at = state.api_keys.now();
+        let user = look_up(state, &hash)
+            .await
+            .map_err(|e| ApiError::Internal(format!("authenticate: {e}")))?
+            .ok_or(ApiError::Unauthorized(UNAUTHORIZED_DETAIL))?;
+        state.api_keys.put(hash, user.clone(), looked_up_at);
+        Ok(user)
     }
+}
+
+/// The user whose API key has this hash, if it has a gateway customer (a user without one has no
+/// key yet).
+async fn look_up(state: &AppState, hash: &[u8; 32]) -> Result<Option<AuthUser>, sqlx::Error> {
+    let mut db = state.store.autocommit().await?;
+    let user: Option<(i64, String)> = sqlx::query_as(
+        "SELECT id, stripe_customer_id FROM users
+         WHERE api_key_hash = $1 AND stripe_customer_id IS NOT NULL",
+    )
+    .bind(hash.as_slice())
+    .persistent(state.store.persistent())
+    .fetch_optional(db.conn())
+    .await?;
+    db.done().await?;
+    Ok(user.map(|(id, customer)| AuthUser { id, customer }))
 }
 
 /// The longest API key looked up; ours are 72 characters.
