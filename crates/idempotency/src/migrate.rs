@@ -230,13 +230,15 @@ async fn interleave(conn: &mut PgConnection, app: &Migrator) -> Result<(), Error
         apply_ours(conn, Some(migration.version)).await?;
         conn.apply(migration).await.map_err(|e| match e {
             // The database's own error, kept so that a lock timeout is told as one.
-            MigrateError::Execute(source) => Error::Database {
-                context: format!(
-                    "apply application migration {} ({})",
-                    migration.version, migration.description
-                ),
-                source,
-            },
+            MigrateError::Execute(source) | MigrateError::ExecuteMigration(source, _) => {
+                Error::Database {
+                    context: format!(
+                        "apply application migration {} ({})",
+                        migration.version, migration.description
+                    ),
+                    source,
+                }
+            }
             e => app_error(e),
         })?;
     }

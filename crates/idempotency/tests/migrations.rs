@@ -522,3 +522,37 @@ async fn a_concurrent_index_runs_alone_in_its_migration_and_not_after_a_set(pool
     .unwrap();
     assert!(valid);
 }
+
+/// An application's migration that gives up waiting for a lock is told like the crate's own:
+/// the message, and the session that held the lock.
+#[sqlx::test(migrations = false)]
+async fn an_application_migration_behind_a_long_transaction_gives_up_naming_it(pool: PgPool) {
+    let app = support::migrator_of("tests/app_migrations", i64::MAX, &[]).await;
+    idempotency::migrate_with(&pool, &app).await.unwrap();
+    let mut reader = pool.begin().await.unwrap();
+    let holder: i32 = sqlx::query_scalar(
+        "SELECT pg_backend_pid() FROM (SELECT count(*) FROM orders) AS long_reader",
+    )
+    .fetch_one(&mut *reader)
+    .await
+    .unwrap();
+    let app = support::migrator_of(
+        "tests/app_migrations",
+        i64::MAX,
+        &[(
+            "20270101000002_orders_note.sql",
+            "SET LOCAL lock_timeout = '1s';\nALTER TABLE orders ADD COLUMN note TEXT;\n",
+        )],
+    )
+    .await;
+    let refused = idempotency::migrate_with(&pool, &app)
+        .await
+        .unwrap_err()
+        .to_string();
+    reader.rollback().await.unwrap();
+    assert!(
+        refused.starts_with(idempotency::LOCK_TIMEOUT_MESSAGE)
+            && refused.contains(&format!("pid {holder} ")),
+        "{refused}"
+    );
+}
