@@ -141,6 +141,18 @@ pub async fn check(pool: &sqlx::PgPool) -> Result<(), crate::Error> {
     Ok(())
 }
 
+/// Commits an application's own transaction (one that is not a phase of the store's) under the
+/// watch: [`crate::Error::CommitUnconfirmed`] when the server warned that the commit's wait for
+/// the synchronous standby was cancelled, so that a write a failover may lose (a revoked
+/// credential, a limit lowered) is not reported done. The outcome is then unknown: tell the
+/// caller so, and let it run the write again.
+pub async fn commit(
+    tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    context: impl Into<String>,
+) -> Result<(), crate::Error> {
+    crate::store::commit(tx, context.into()).await
+}
+
 /// Runs `commit` and tells whether the server warned, while it ran, that its wait for the
 /// synchronous standby was cancelled (seen only with [`CommitWatch`] installed).
 pub(crate) async fn watched<F: Future>(commit: F) -> (F::Output, bool) {

@@ -302,6 +302,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             command: UsersCommand::RotateKey { db, email },
         } => {
             let store = db.store(connect(&db, 2).await?)?;
+            // A rotation acknowledged on a commit the standby may not have would bring the old
+            // key back with a failover: refused where the watch could not see that.
+            idempotency::commit_watch::check(store.pool()).await?;
             let rotated = crate::users::rotate_api_key(&store, &email).await?;
             println!("{}", serde_json::to_string(&rotated)?);
         }

@@ -146,6 +146,13 @@ pub enum RotateKeyError {
     /// The database failed.
     #[error("store the new API key: {0}")]
     Database(#[from] sqlx::Error),
+    /// The commit's wait for the synchronous standby was cancelled, or it failed: the new key
+    /// may be stored or not, and a failover may bring the old one back.
+    #[error(
+        "the rotation may or may not have been stored ({0}); the new key is not shown: run \
+         rotate-key again, and use the key it prints"
+    )]
+    Unconfirmed(idempotency::Error),
 }
 
 /// Replaces the API key of the user with this email by a new one: the old key is refused as soon
@@ -153,7 +160,9 @@ pub enum RotateKeyError {
 /// default). A user that `users create` did not complete has no key to rotate, and is left alone.
 pub async fn rotate_api_key(store: &Store, email: &str) -> Result<RotatedKey, RotateKeyError> {
     let api_key = generate_api_key();
-    let mut db = store.autocommit().await?;
+    // A transaction of its own, committed under the commit watch: a revocation that a failover
+    // may lose must not be reported done, or the old key would come back with it.
+    let mut tx = store.pool().begin().await?;
     let id: Option<i64> = sqlx::query_scalar(
         "UPDATE users SET api_key_hash = $2
          WHERE email = $1 AND stripe_customer_id IS NOT NULL
@@ -162,10 +171,14 @@ pub async fn rotate_api_key(store: &Store, email: &str) -> Result<RotatedKey, Ro
     .bind(email)
     .bind(hash_api_key(&api_key).as_slice())
     .persistent(store.persistent())
-    .fetch_optional(db.conn())
+    .fetch_optional(&mut *tx)
     .await?;
-    db.done().await?;
-    let id = id.ok_or_else(|| RotateKeyError::NoSuchUser(email.to_owned()))?;
+    let Some(id) = id else {
+        return Err(RotateKeyError::NoSuchUser(email.to_owned()));
+    };
+    idempotency::commit_watch::commit(tx, "rotate the API key")
+        .await
+        .map_err(RotateKeyError::Unconfirmed)?;
     Ok(RotatedKey {
         id,
         email: email.to_owned(),

@@ -480,3 +480,44 @@ async fn the_commit_watch_refuses_connections_that_hide_the_servers_warnings() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("client_min_messages"), "{stderr}");
 }
+
+/// `users rotate-key` does not report a rotation done (nor print its key) on a commit whose wait
+/// for the standby was cancelled: a failover would lose it, and the leaked key would work again.
+#[tokio::test(flavor = "current_thread")]
+async fn a_rotation_whose_wait_for_the_standby_is_cancelled_is_not_acknowledged() {
+    let _watch = watched();
+    let Some(cluster) = Cluster::start("rotate") else {
+        return;
+    };
+    let admin = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let service: PgConnectOptions = cluster.url().parse().unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(20)
+        .connect_with(service.options([("synchronous_commit", "on")]))
+        .await
+        .unwrap();
+    let app = TestApp::start(pool).await;
+    app.user("rot@example.com", "tok_visa").await;
+    let (stop, cancelled) = cancel_waits(admin.clone());
+    synchronous(&admin, true).await;
+    let rotated = rocket_rides::users::rotate_api_key(&app.state.store, "rot@example.com").await;
+    stop.store(true, Ordering::Relaxed);
+    synchronous(&admin, false).await;
+    assert!(
+        cancelled.load(Ordering::Relaxed) > 0,
+        "no wait was cancelled"
+    );
+    assert!(
+        matches!(
+            rotated,
+            Err(rocket_rides::users::RotateKeyError::Unconfirmed(
+                idempotency::Error::CommitUnconfirmed { .. }
+            ))
+        ),
+        "{rotated:?}"
+    );
+}

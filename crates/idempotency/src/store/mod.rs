@@ -59,7 +59,7 @@ use crate::Error;
 
 /// Commits `tx`, and refuses the success of a commit whose wait for the synchronous standby
 /// the server reports cancelled ([`Error::CommitUnconfirmed`]; see [`crate::commit_watch`]).
-pub(super) async fn commit(
+pub(crate) async fn commit(
     tx: Transaction<'static, Postgres>,
     context: String,
 ) -> Result<(), Error> {
