@@ -70,6 +70,10 @@ pub(crate) async fn run(plan: Intermediaries, recorder: Recorder) -> Vec<Request
             }
             tokio::time::sleep(retry_after.unwrap_or(Duration::from_millis(500))).await;
         }
+        // Disarmed once the request is over: a request whose attempts never reached the gateway
+        // (its client gave up while the database was away) leaves its answer armed, and the
+        // question asked again after the run would meet it instead.
+        plan.gateway.clear_script(customer);
         log.latency_ms = started.elapsed().as_secs_f64() * 1000.0;
         logs.push(log);
     }

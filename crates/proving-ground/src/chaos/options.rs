@@ -228,6 +228,11 @@ impl ChaosArgs {
              it without --failover and --ha patroni"
         );
         anyhow::ensure!(
+            !(self.pgbouncer() && self.without(Sabotage::DurableCommit)),
+            "--without durable-commit sets synchronous_commit in the services' startup \
+             options, which PgBouncer refuses: give it without --pooler pgbouncer"
+        );
+        anyhow::ensure!(
             !self.without(Sabotage::UnnamedStatements) || self.pgbouncer(),
             "--without unnamed-statements shows what a transaction pooler does to named \
              statements: it needs --pooler pgbouncer"
