@@ -28,6 +28,7 @@ use tokio::time::Instant;
 use super::load::Target;
 use super::load::{histogram, micros, RIDE};
 use super::report::Latency;
+use rocket_rides::problem::types::OVER_CAPACITY;
 
 /// What one open-loop measurement offers.
 #[derive(Debug, Clone)]
@@ -203,14 +204,20 @@ async fn book(http: &reqwest::Client, target: &Target, user: usize, key: &str) -
     let status = response.status().as_u16();
     let retry_after = response.headers().contains_key("retry-after");
     // The answer counts once its body is in: the client's timeout covers the body too.
-    match response.bytes().await {
-        Ok(_) => {}
+    let body = match response.bytes().await {
+        Ok(body) => body,
         Err(e) if e.is_timeout() => return Fate::TimedOut,
         Err(_) => return Fate::Other("transport".to_owned()),
-    }
+    };
     match status {
         201 => Fate::Created,
-        503 => Fate::Shed { retry_after },
+        // Only the refusal at the door is a shed: a 503 for a gateway timeout, a commit left
+        // unconfirmed or a deadline comes from a booking that may go on and charge.
+        503 if problem_type(&body).as_deref() == Some(OVER_CAPACITY) => Fate::Shed { retry_after },
+        503 => Fate::Other(format!(
+            "503 {}",
+            problem_type(&body).unwrap_or_else(|| "without a problem type".to_owned())
+        )),
         other => Fate::Other(other.to_string()),
     }
 }
@@ -245,4 +252,10 @@ fn summary(
         shed_latency_ms: (shed > 0).then(|| Latency::of(&tally.shed)),
         created_p99_vs_lowest_load: None,
     }
+}
+
+/// The `type` of a problem+json body, if it is one.
+fn problem_type(body: &[u8]) -> Option<String> {
+    let problem: serde_json::Value = serde_json::from_slice(body).ok()?;
+    Some(problem.get("type")?.as_str()?.to_owned())
 }
