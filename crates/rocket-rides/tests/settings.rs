@@ -104,20 +104,11 @@ fn serve_takes_the_key_retention_and_refuses_one_shorter_than_a_day() {
     let text = String::from_utf8_lossy(&help.stdout);
     assert!(text.contains("--key-retention"), "{text}");
     assert!(text.contains("KEY_RETENTION"), "{text}");
-    for (args, env) in [
-        (&["--key-retention", "23h"][..], &[][..]),
-        (&[], &[("KEY_RETENTION", "1h")]),
-    ] {
-        let mut command = vec!["serve", "--listen", "127.0.0.1:0"];
-        command.extend_from_slice(args);
-        let mut env = env.to_vec();
-        env.push(("DATABASE_URL", DATABASE_URL));
-        let refused = rocket_rides(&command, &env);
-        assert!(!refused.status.success(), "{args:?} {env:?}");
-        let text = String::from_utf8_lossy(&refused.stderr);
-        assert!(text.contains("--key-retention"), "{text}");
-        assert!(text.contains("at least 24h"), "{text}");
-    }
+    serve_refuses(
+        &["--key-retention", "23h"],
+        ("KEY_RETENTION", "1h"),
+        &["--key-retention", "at least 24h"],
+    );
 }
 
 #[test]
@@ -127,10 +118,17 @@ fn serve_documents_the_api_key_cache_ttl_and_refuses_one_over_a_minute() {
     assert!(text.contains("--api-key-cache-ttl"), "{text}");
     assert!(text.contains("API_KEY_CACHE_TTL"), "{text}");
     assert!(text.contains("rotate-key"), "{text}");
-    for (args, env) in [
-        (&["--api-key-cache-ttl", "61s"][..], &[][..]),
-        (&[], &[("API_KEY_CACHE_TTL", "2m")]),
-    ] {
+    serve_refuses(
+        &["--api-key-cache-ttl", "61s"],
+        ("API_KEY_CACHE_TTL", "2m"),
+        &["--api-key-cache-ttl", "at most 60s"],
+    );
+}
+
+/// `serve` refuses the setting given as `flag` and, apart, as the variable `env`, with an error
+/// that contains each of `wanted`.
+fn serve_refuses(flag: &[&str], env: (&str, &str), wanted: &[&str]) {
+    for (args, env) in [(flag, &[][..]), (&[], &[env][..])] {
         let mut command = vec!["serve", "--listen", "127.0.0.1:0"];
         command.extend_from_slice(args);
         let mut env = env.to_vec();
@@ -138,8 +136,9 @@ fn serve_documents_the_api_key_cache_ttl_and_refuses_one_over_a_minute() {
         let refused = rocket_rides(&command, &env);
         assert!(!refused.status.success(), "{args:?} {env:?}");
         let text = String::from_utf8_lossy(&refused.stderr);
-        assert!(text.contains("--api-key-cache-ttl"), "{text}");
-        assert!(text.contains("at most 60s"), "{text}");
+        for want in wanted {
+            assert!(text.contains(want), "{text}");
+        }
     }
 }
 

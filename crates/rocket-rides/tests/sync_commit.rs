@@ -229,6 +229,23 @@ struct Run {
     _cluster: Cluster,
 }
 
+/// An admin pool on `cluster`, and the service on it with its commits waiting for the standby;
+/// the gateway's (a system of its own, on the cluster's default) do not.
+async fn service_on(cluster: &Cluster) -> (PgPool, TestApp) {
+    let admin = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&cluster.url())
+        .await
+        .unwrap();
+    let service: PgConnectOptions = cluster.url().parse().unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(20)
+        .connect_with(service.options([("synchronous_commit", "on")]))
+        .await
+        .unwrap();
+    (admin, TestApp::start(pool).await)
+}
+
 /// Books a ride on a cluster of its own while every wait for the standby from `from` on is
 /// cancelled; returns the first answer and how many waits were cancelled.
 async fn book_with_cancelled_waits(
@@ -236,20 +253,7 @@ async fn book_with_cancelled_waits(
     from: WaitsFrom,
 ) -> Option<(Run, common::Reply, u64)> {
     let cluster = Cluster::start(name)?;
-    let admin = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&cluster.url())
-        .await
-        .unwrap();
-    // The service's commits wait for the standby; the gateway's (a system of its own, on the
-    // cluster's default) do not.
-    let service: PgConnectOptions = cluster.url().parse().unwrap();
-    let pool = PgPoolOptions::new()
-        .max_connections(20)
-        .connect_with(service.options([("synchronous_commit", "on")]))
-        .await
-        .unwrap();
-    let app = TestApp::start(pool).await;
+    let (admin, app) = service_on(&cluster).await;
     let (user_id, api_key) = app.user("sync@example.com", "tok_visa").await;
     let (stop, cancelled) = cancel_waits(admin.clone());
     let reply = match from {
@@ -489,18 +493,7 @@ async fn a_rotation_whose_wait_for_the_standby_is_cancelled_is_not_acknowledged(
     let Some(cluster) = Cluster::start("rotate") else {
         return;
     };
-    let admin = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&cluster.url())
-        .await
-        .unwrap();
-    let service: PgConnectOptions = cluster.url().parse().unwrap();
-    let pool = PgPoolOptions::new()
-        .max_connections(20)
-        .connect_with(service.options([("synchronous_commit", "on")]))
-        .await
-        .unwrap();
-    let app = TestApp::start(pool).await;
+    let (admin, app) = service_on(&cluster).await;
     app.user("rot@example.com", "tok_visa").await;
     let (stop, cancelled) = cancel_waits(admin.clone());
     synchronous(&admin, true).await;
