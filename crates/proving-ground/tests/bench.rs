@@ -7,21 +7,32 @@ use std::process::Command;
 
 use serde_json::Value;
 
-fn run_bench(report_dir: &Path) -> Value {
-    let output = Command::new(env!("CARGO_BIN_EXE_bench"))
-        .args(["--duration", "1s", "--warmup", "1s", "--concurrency", "2"])
-        .args([
-            "--scenario",
-            "create,replay,create_pooled,replay_pooled,storm",
-            "--users",
-            "2",
-        ])
+/// Runs `bench` for a second after a second's warm-up, with `args`, reporting into
+/// `report_dir`.
+fn bench(args: &[&str], report_dir: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_bench"))
+        .args(["--duration", "1s", "--warmup", "1s"])
+        .args(args)
         .arg("--report-dir")
         .arg(report_dir)
         .env("RUST_LOG", "error")
         .env("RUST_BACKTRACE", "0")
         .output()
-        .expect("run bench");
+        .expect("run bench")
+}
+
+fn run_bench(report_dir: &Path) -> Value {
+    let output = bench(
+        &[
+            "--concurrency",
+            "2",
+            "--scenario",
+            "create,replay,create_pooled,replay_pooled,storm",
+            "--users",
+            "2",
+        ],
+        report_dir,
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     eprintln!("{stderr}");
     assert!(output.status.success(), "bench failed: {}", output.status);
@@ -163,16 +174,19 @@ fn a_booking_takes_three_transactions_a_replay_one_read_and_key_updates_are_hot(
 fn a_pooled_run_without_pgbouncer_fails_with_a_clear_message() {
     let dir = std::env::temp_dir().join(format!("bench-no-pooler-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let output = Command::new(env!("CARGO_BIN_EXE_bench"))
-        .args(["--duration", "1s", "--warmup", "1s", "--concurrency", "1"])
-        .args(["--scenario", "create,create_pooled", "--users", "1"])
-        .args(["--pgbouncer-script", "/bin/false"])
-        .arg("--report-dir")
-        .arg(&dir)
-        .env("RUST_LOG", "error")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run bench");
+    let output = bench(
+        &[
+            "--concurrency",
+            "1",
+            "--scenario",
+            "create,create_pooled",
+            "--users",
+            "1",
+            "--pgbouncer-script",
+            "/bin/false",
+        ],
+        &dir,
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "bench passed without a PgBouncer");
     assert!(
@@ -210,17 +224,24 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
 fn the_open_loop_accounts_for_every_arrival_and_the_preload_loads_what_was_asked() {
     let dir = std::env::temp_dir().join(format!("bench-open-large-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let output = Command::new(env!("CARGO_BIN_EXE_bench"))
-        .args(["--duration", "1s", "--warmup", "1s", "--concurrency", "2"])
-        .args(["--scenario", "create,replay,open,create_large,replay_large"])
-        .args(["--users", "2", "--open-rate", "20", "--open-load", "0.5,2"])
-        .args(["--preload-keys", "10000", "--reap"])
-        .arg("--report-dir")
-        .arg(&dir)
-        .env("RUST_LOG", "error")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("run bench");
+    let output = bench(
+        &[
+            "--concurrency",
+            "2",
+            "--scenario",
+            "create,replay,open,create_large,replay_large",
+            "--users",
+            "2",
+            "--open-rate",
+            "20",
+            "--open-load",
+            "0.5,2",
+            "--preload-keys",
+            "10000",
+            "--reap",
+        ],
+        &dir,
+    );
     eprintln!("{}", String::from_utf8_lossy(&output.stderr));
     assert!(output.status.success(), "bench failed: {}", output.status);
     let report_path = walk(&dir)
@@ -326,15 +347,9 @@ fn an_open_loop_without_a_capacity_or_with_a_bad_load_fails_before_it_starts() {
         ),
         (&["--scenario", "open"][..], "--open-rate"),
     ] {
-        let output = Command::new(env!("CARGO_BIN_EXE_bench"))
-            .args(["--duration", "1s", "--warmup", "1s", "--concurrency", "1"])
-            .args(args)
-            .arg("--report-dir")
-            .arg(&dir)
-            .env("RUST_LOG", "error")
-            .env("RUST_BACKTRACE", "0")
-            .output()
-            .expect("run bench");
+        let mut all = vec!["--concurrency", "1"];
+        all.extend_from_slice(args);
+        let output = bench(&all, &dir);
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!output.status.success(), "{args:?} passed");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
