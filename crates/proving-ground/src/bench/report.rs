@@ -82,6 +82,13 @@ pub struct Ratio {
     pub create_requests_per_s: f64,
     pub baseline_requests_per_s: f64,
     pub create_vs_baseline: f64,
+    /// WAL bytes per create over WAL bytes per baseline booking.
+    pub create_wal_bytes_per_request: f64,
+    pub baseline_wal_bytes_per_request: f64,
+    pub wal_vs_baseline: f64,
+    /// PostgreSQL's CPU per create over its CPU per baseline booking; `null` when PostgreSQL's
+    /// processes are not visible from the benchmark.
+    pub postgres_cpu_vs_baseline: Option<f64>,
 }
 
 /// A scenario behind the transaction pooler against the same scenario straight to PostgreSQL,
@@ -255,6 +262,14 @@ impl Report {
                     create_requests_per_s: create.requests_per_s,
                     baseline_requests_per_s: baseline.requests_per_s,
                     create_vs_baseline: create.requests_per_s / baseline.requests_per_s,
+                    create_wal_bytes_per_request: create.wal_bytes_per_request,
+                    baseline_wal_bytes_per_request: baseline.wal_bytes_per_request,
+                    wal_vs_baseline: create.wal_bytes_per_request / baseline.wal_bytes_per_request,
+                    postgres_cpu_vs_baseline: create
+                        .cpu_ms_per_request
+                        .postgres
+                        .zip(baseline.cpu_ms_per_request.postgres)
+                        .map(|(c, b)| c / b),
                 })
             })
             .collect();
@@ -408,11 +423,15 @@ impl Report {
             for r in &self.ratios {
                 let _ = writeln!(
                     out,
-                    "create / baseline at c{}: {:.0} / {:.0} req/s = {:.2}×",
+                    "create / baseline at c{}: {:.0} / {:.0} req/s = {:.2}×; WAL {:.0} / {:.0} \
+                     bytes per request = {:.2}×",
                     r.concurrency,
                     r.create_requests_per_s,
                     r.baseline_requests_per_s,
-                    r.create_vs_baseline
+                    r.create_vs_baseline,
+                    r.create_wal_bytes_per_request,
+                    r.baseline_wal_bytes_per_request,
+                    r.wal_vs_baseline
                 );
             }
         }
@@ -686,13 +705,8 @@ mod tests {
         assert!(pooled_answers_checks(&good[..1]).is_empty());
     }
 
-    #[test]
-    fn the_pooler_ratios_pair_each_pooled_scenario_with_its_direct_twin() {
-        let mut create = measurement("create", &[("201", 1)]);
-        create.requests_per_s = 200.0;
-        let mut pooled = measurement("create_pooled", &[("201", 1)]);
-        pooled.requests_per_s = 150.0;
-        let mut report = Report {
+    fn report_of(measurements: Vec<Measurement>) -> Report {
+        Report {
             run: String::new(),
             service_version: String::new(),
             compared_version: None,
@@ -710,10 +724,45 @@ mod tests {
             comparison: Vec::new(),
             open_loop: Vec::new(),
             large_tables: Vec::new(),
-            measurements: vec![create, pooled, measurement("replay_pooled", &[])],
+            measurements,
             checks: Vec::new(),
             passed: false,
-        };
+        }
+    }
+
+    #[test]
+    fn the_baseline_ratios_divide_the_creates_rate_wal_and_postgres_cpu_by_the_baselines() {
+        let mut create = measurement("create", &[("201", 1)]);
+        create.requests_per_s = 300.0;
+        create.wal_bytes_per_request = 6_000.0;
+        create.cpu_ms_per_request.postgres = Some(1.5);
+        let mut baseline = measurement("baseline", &[("201", 1)]);
+        baseline.requests_per_s = 400.0;
+        baseline.wal_bytes_per_request = 2_400.0;
+        let mut report = report_of(vec![create.clone(), baseline.clone()]);
+        report.summarize();
+        let ratio = &report.ratios[0];
+        assert!((ratio.create_vs_baseline - 0.75).abs() < 1e-9);
+        assert!((ratio.wal_vs_baseline - 2.5).abs() < 1e-9);
+        assert_eq!(ratio.postgres_cpu_vs_baseline, None, "no baseline CPU seen");
+        assert!(report
+            .table()
+            .contains("create / baseline at c2: 300 / 400 req/s = 0.75×; WAL 6000 / 2400"));
+
+        baseline.cpu_ms_per_request.postgres = Some(0.5);
+        let mut report = report_of(vec![create, baseline]);
+        report.summarize();
+        let cpu = report.ratios[0].postgres_cpu_vs_baseline.unwrap();
+        assert!((cpu - 3.0).abs() < 1e-9, "{cpu}");
+    }
+
+    #[test]
+    fn the_pooler_ratios_pair_each_pooled_scenario_with_its_direct_twin() {
+        let mut create = measurement("create", &[("201", 1)]);
+        create.requests_per_s = 200.0;
+        let mut pooled = measurement("create_pooled", &[("201", 1)]);
+        pooled.requests_per_s = 150.0;
+        let mut report = report_of(vec![create, pooled, measurement("replay_pooled", &[])]);
         report.summarize();
         assert_eq!(
             report.pooler.len(),
