@@ -15,8 +15,9 @@
 //! above the pool's connections lets them queue for a connection, each of a booking's four
 //! transactions again, so that past capacity every answer waits seconds; a count near the
 //! pool's size sheds the bursts of a load below capacity. Here the count is the pool's, and the
-//! short wait absorbs bursts: a slot frees within one booking's time. The wait is bounded, so
-//! the queue is too: at most the arrivals of one `--admission-wait` wait at once.
+//! short wait absorbs bursts: a burst's queue clears in (its size ÷ bookings per second). The
+//! wait is bounded, so the queue is too: at most the arrivals of one `--admission-wait` wait at
+//! once.
 //! `--http-max-in-flight` stays the outer bound of the whole edge.
 //!
 //! The gate is on the routes that use the database on a client's behalf (`POST /rides`,
@@ -31,8 +32,8 @@
 //!
 //! It is the service's own rather than `idempotency-axum`'s: what it guards is this process's
 //! pool, which routes use it is the service's choice, and its refusal is the service's problem
-//! document and counter. A library version would take all three as parameters and gain nothing
-//! over these sixty lines.
+//! document and counter. A library version would take all three as parameters and gain little
+//! over this one file.
 
 use std::future::Future;
 use std::pin::Pin;

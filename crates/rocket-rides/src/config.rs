@@ -256,8 +256,9 @@ pub struct HttpArgs {
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub admission_limit: Option<u32>,
     /// Longest wait of a request for an admission slot before it is shed: long enough for a
-    /// slot to free in a burst (one booking's time), short enough that past capacity the
-    /// queue stays short. 0 sheds at once. At most 1s, the `Retry-After` of a shed.
+    /// burst's queue to clear ((clients - limit) / bookings per second), short enough that
+    /// past capacity the queue stays short. 0 sheds at once. At most 1s, the `Retry-After` of
+    /// a shed.
     #[arg(long, env = "ADMISSION_WAIT", value_parser = parse_duration, default_value = "200ms")]
     pub admission_wait: Duration,
 }
