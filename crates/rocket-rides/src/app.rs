@@ -20,6 +20,7 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use crate::admission::AdmissionLayer;
 use crate::config::MAX_BODY_BYTES;
 use crate::handlers::{ops, rides};
 use crate::metrics::Metrics;
@@ -30,11 +31,19 @@ pub use crate::state::{AppState, StartError};
 
 /// The routes, and the OpenAPI document generated from them. `/metrics` is one of them only
 /// when metrics are asked for on the public listener (`serve --metrics-on-public-listener`);
-/// otherwise [`metrics_router`] serves them on a listener of their own.
-pub fn routes(with_metrics: bool) -> (Router<AppState>, utoipa::openapi::OpenApi) {
-    let mut routes = OpenApiRouter::with_openapi(ApiDoc::openapi())
+/// otherwise [`metrics_router`] serves them on a listener of their own. The routes that use the
+/// database on a client's behalf pass `gate` first; the operations' routes do not
+/// ([`crate::admission`] says why).
+pub fn routes(
+    with_metrics: bool,
+    gate: AdmissionLayer,
+) -> (Router<AppState>, utoipa::openapi::OpenApi) {
+    let rides = OpenApiRouter::new()
         .routes(routes!(rides::create))
         .routes(routes!(rides::show))
+        .route_layer(gate.clone());
+    let mut routes = OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .merge(rides)
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
         .routes(routes!(ops::openapi));
@@ -47,8 +56,10 @@ pub fn routes(with_metrics: bool) -> (Router<AppState>, utoipa::openapi::OpenApi
     #[cfg(feature = "bench")]
     let routes = routes.route(
         "/bench/rides",
-        axum::routing::post(crate::handlers::bench::create),
+        axum::routing::post(crate::handlers::bench::create).route_layer(gate),
     );
+    #[cfg(not(feature = "bench"))]
+    drop(gate);
     (routes, doc)
 }
 
@@ -63,14 +74,18 @@ pub fn router(state: AppState) -> Router {
 /// - every answer counted and timed by route template (`route_layer`, so only routed requests);
 /// - unknown paths and methods answered as problems (404, 405 with `Allow`);
 /// - bodies bounded in size and in the pause between two of their pieces;
+/// - on the routes that use the database, the admission gate: as many at once as the pool
+///   serves, a short bounded wait for a slot, then a shed ([`crate::admission`]);
 /// - a deadline on the whole request, and a bound on requests in flight past which requests are
 ///   shed at once (503 problems with `Retry-After`, never queued);
 /// - request ids and the request's span, outermost, so that every answer (a shed one too)
 ///   carries its id.
 pub fn api_router(state: AppState, with_metrics: bool) -> Router {
-    let (routes, doc) = routes(with_metrics);
     let metrics = state.metrics.clone();
     let http = state.http.clone();
+    let slots = http.admission_slots(state.pool.options().get_max_connections());
+    let gate = AdmissionLayer::new(slots, http.admission_wait, metrics.clone());
+    let (routes, doc) = routes(with_metrics, gate);
     routes
         .fallback(|| async { ApiError::NoRoute })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
@@ -114,6 +129,7 @@ pub fn api_router(state: AppState, with_metrics: bool) -> Router {
 }
 
 /// The answer to a request the edge stopped: shed (too many in flight) or past its deadline.
+/// (A request the admission gate sheds is answered by the gate, with the same problem.)
 fn edge_error(metrics: &Metrics, error: BoxError) -> Response {
     if error.is::<tower::load_shed::error::Overloaded>() {
         metrics.request_shed();

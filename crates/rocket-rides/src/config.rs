@@ -248,6 +248,33 @@ pub struct HttpArgs {
     #[arg(long, env = "HTTP_MAX_IN_FLIGHT", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub http_max_in_flight: u32,
+    /// Requests that use the database (`POST /rides`, `GET /rides/{id}`) admitted at once at
+    /// most. Default: --max-connections, the pool's size. A request that finds every slot
+    /// taken waits at most --admission-wait, then gets 503 with `Retry-After`; it has written
+    /// nothing. A limit at or above --http-max-in-flight leaves only that bound.
+    #[arg(long, env = "ADMISSION_LIMIT",
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub admission_limit: Option<u32>,
+    /// Longest wait of a request for an admission slot before it is shed: long enough for a
+    /// burst's queue to clear ((clients - limit) / bookings per second), short enough that
+    /// past capacity the queue stays short. 0 sheds at once. At most 1s, the `Retry-After` of
+    /// a shed.
+    #[arg(long, env = "ADMISSION_WAIT", value_parser = parse_duration, default_value = "200ms")]
+    pub admission_wait: Duration,
+}
+
+/// Default of `--admission-wait` (measured with `bench`'s open loop, docs/performance.md).
+pub const DEFAULT_ADMISSION_WAIT: Duration = Duration::from_millis(200);
+
+/// The longest `--admission-wait`: a client told by a shed to come back after this long
+/// (`Retry-After: 1`) would do better to come back than to wait longer in the queue.
+pub const MAX_ADMISSION_WAIT: Duration = crate::problem::OVERLOAD_RETRY_AFTER;
+
+impl HttpArgs {
+    /// The admission gate's slots: `--admission-limit`, or the pool's `max_connections`.
+    pub fn admission_slots(&self, max_connections: u32) -> u32 {
+        self.admission_limit.unwrap_or(max_connections)
+    }
 }
 
 impl Default for HttpArgs {
@@ -258,6 +285,8 @@ impl Default for HttpArgs {
             request_timeout: Duration::from_secs(30),
             http_max_connections: 512,
             http_max_in_flight: 256,
+            admission_limit: None,
+            admission_wait: DEFAULT_ADMISSION_WAIT,
         }
     }
 }
@@ -283,6 +312,13 @@ pub fn validate_http(http: &HttpArgs, gateway: &GatewayArgs) -> Result<(), Strin
             "--request-timeout ({:?}) must exceed --gateway-timeout ({:?}): a booking waits on \
              the gateway within its request",
             http.request_timeout, gateway.gateway_timeout
+        ));
+    }
+    if http.admission_wait > MAX_ADMISSION_WAIT {
+        return Err(format!(
+            "--admission-wait ({:?}) must be at most {MAX_ADMISSION_WAIT:?}: a shed request is \
+             told to retry after that long, and a longer wait is a queue",
+            http.admission_wait
         ));
     }
     Ok(())
@@ -728,6 +764,13 @@ mod tests {
                     ..Default::default()
                 },
                 "--request-timeout",
+            ),
+            (
+                HttpArgs {
+                    admission_wait: Duration::from_millis(1001),
+                    ..Default::default()
+                },
+                "--admission-wait",
             ),
         ] {
             let err = validate_http(&http, &gateway).unwrap_err();

@@ -9,6 +9,7 @@
 //! | HTTP handlers: rides, operations | [`handlers`] |
 //! | routes and the edge's layers, on top | [`app`] |
 //! | serving connections: timeouts, bounds | [`server`] |
+//! | the admission gate: requests that use the database, as many as the pool serves | [`admission`] |
 //! | API keys | [`auth`] |
 //! | the Stripe client and its error classes | [`stripe`] |
 //! | errors as problem+json | [`problem`] |
@@ -22,6 +23,7 @@
 //! the state above them; the booking and the worker above the state; the handlers above those;
 //! the router and the command line on top.
 
+pub mod admission;
 pub mod app;
 pub mod auth;
 pub mod booking;

@@ -131,7 +131,9 @@ fn edge_responses(operation: &mut Operation, takes_body: bool) {
     let mut unavailable = ResponseBuilder::new()
         .description(
             "`urn:problem:rocket-rides:over-capacity` (as many requests in flight as the server \
-             takes) or `…:request-timeout` (past the request deadline); retry after `Retry-After`.",
+             takes, or no admission slot for a request that uses the database within \
+             `--admission-wait`; nothing was written) or `…:request-timeout` (past the request \
+             deadline); retry after `Retry-After`.",
         )
         .content(idempotency_axum::PROBLEM_JSON, problem())
         .header("Retry-After", retry_after())

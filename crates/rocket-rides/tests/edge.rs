@@ -172,6 +172,92 @@ async fn requests_past_the_bound_in_flight_are_shed_at_once(pool: PgPool) {
     assert_eq!(app.get(&api_key, "/healthz").await.status, 200);
 }
 
+/// `POST /rides` with `key` from a task of its own.
+fn spawn_booking(
+    app: &TestApp,
+    api_key: &str,
+    key: &str,
+) -> tokio::task::JoinHandle<common::Reply> {
+    let request = app
+        .http
+        .post(format!("{}/rides", app.base))
+        .bearer_auth(api_key)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(RIDE);
+    tokio::spawn(async move { common::Reply::read(request.send().await.unwrap()).await })
+}
+
+/// Rows of the user's key `key`.
+async fn key_rows(app: &TestApp, key: &str) -> i64 {
+    app.count_owned(format!(
+        "SELECT count(*) FROM idempotency_keys WHERE idempotency_key = '{key}'"
+    ))
+    .await
+}
+
+#[sqlx::test(migrations = false)]
+async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_nothing(pool: PgPool) {
+    const ADMITTED: usize = 2;
+    const SHED: usize = 4;
+    let http = HttpArgs {
+        admission_limit: Some(ADMITTED as u32),
+        admission_wait: Duration::from_millis(20),
+        ..Default::default()
+    };
+    let app = TestApp::start_with_edge(pool, http).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // The admitted bookings hold their slots at the gateway until it lets them go on.
+    app.gateway.hold_charges();
+    let admitted: Vec<_> = (0..ADMITTED)
+        .map(|i| spawn_booking(&app, &api_key, &format!("admitted-{i}")))
+        .collect();
+    app.gateway.charges_held(ADMITTED).await;
+    // More at once than the gate admits: each waits its 20 ms, finds no slot, and is shed.
+    let shed: Vec<_> = (0..SHED)
+        .map(|i| spawn_booking(&app, &api_key, &format!("shed-{i}")))
+        .collect();
+    for (i, reply) in shed.into_iter().enumerate() {
+        let reply = reply.await.unwrap();
+        assert_eq!(reply.status, 503, "{reply:?}");
+        assert_eq!(reply.problem_type(), types::OVER_CAPACITY);
+        assert_eq!(reply.header("retry-after"), Some("1"));
+        assert_eq!(key_rows(&app, &format!("shed-{i}")).await, 0, "shed-{i}");
+    }
+    // A read of a ride uses the database too; the probes and the metrics do not, and pass.
+    let read = app.get(&api_key, "/rides/1").await;
+    assert_eq!(read.status, 503, "{read:?}");
+    assert_eq!(read.problem_type(), types::OVER_CAPACITY);
+    for probe in ["/healthz", "/readyz", "/openapi.json"] {
+        assert_eq!(app.get(&api_key, probe).await.status, 200, "{probe}");
+    }
+    assert_eq!(app.metric("http_requests_shed_total").await, 5.0);
+    assert_eq!(
+        app.keys().await,
+        ADMITTED as i64,
+        "only the admitted claimed"
+    );
+
+    app.gateway.release_charges();
+    for reply in admitted {
+        let reply = reply.await.unwrap();
+        assert_eq!(reply.status, 201, "{reply:?}");
+    }
+    // The shed ones' retries, under the same keys, are first attempts: each books once.
+    for i in 0..SHED {
+        let key = format!("shed-{i}");
+        let first = app.post_ride(Some(&api_key), Some(&key), RIDE).await;
+        assert_eq!(first.status, 201, "{first:?}");
+        assert!(!first.replayed(), "{key} had written nothing");
+        let again = app.post_ride(Some(&api_key), Some(&key), RIDE).await;
+        assert!(again.replayed() && again.body == first.body, "{again:?}");
+    }
+    let total = (ADMITTED + SHED) as i64;
+    assert_eq!(app.rides().await, total);
+    assert_eq!(app.charges().await, total);
+    assert_eq!(app.keys().await, total);
+}
+
 #[sqlx::test(migrations = false)]
 async fn connections_past_the_bound_get_a_503_problem_at_once(pool: PgPool) {
     let http = HttpArgs {

@@ -125,6 +125,30 @@ fn serve_documents_the_api_key_cache_ttl_and_refuses_one_over_a_minute() {
     );
 }
 
+#[test]
+fn serve_documents_the_admission_gate_and_refuses_a_wait_over_a_second() {
+    let help = rocket_rides(&["serve", "--help"], &[]);
+    let text = String::from_utf8_lossy(&help.stdout);
+    for name in [
+        "--admission-limit",
+        "ADMISSION_LIMIT",
+        "--admission-wait",
+        "ADMISSION_WAIT",
+    ] {
+        assert!(text.contains(name), "{name}: {text}");
+    }
+    serve_refuses(
+        &["--admission-wait", "2s"],
+        ("ADMISSION_WAIT", "1001ms"),
+        &["--admission-wait", "at most 1s"],
+    );
+    serve_refuses(
+        &["--admission-limit", "0"],
+        ("ADMISSION_LIMIT", "many"),
+        &["admission-limit"],
+    );
+}
+
 /// `serve` refuses the setting given as `flag` and, apart, as the variable `env`, with an error
 /// that contains each of `wanted`.
 fn serve_refuses(flag: &[&str], env: (&str, &str), wanted: &[&str]) {

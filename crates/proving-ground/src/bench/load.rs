@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
 use hdrhistogram::Histogram;
+use rocket_rides::problem::types::OVER_CAPACITY;
 use serde::Serialize;
 
 /// The body of every booking: a ride that charges 20.00.
@@ -135,7 +136,25 @@ struct Answer {
     replayed: bool,
     status: u16,
     body: Vec<u8>,
+    /// The `Retry-After` header, in seconds, when it is one.
+    retry_after: Option<u64>,
 }
+
+impl Answer {
+    /// A refusal at the door (503 `over-capacity`): the request did nothing.
+    fn shed(&self) -> bool {
+        self.status == 503
+            && super::open_loop::problem_type(&self.body).as_deref() == Some(OVER_CAPACITY)
+    }
+}
+
+/// The label of a shed among the answers: a closed-loop measurement counts its sheds apart from
+/// its requests, whose rate and latencies are of the requests served.
+pub(crate) const SHED_LABEL: &str = "503 shed";
+
+/// How often a storm request is sent again after a shed, each time after its `Retry-After`, as
+/// a client honouring it does.
+const STORM_SHED_RETRIES: u32 = 5;
 
 async fn send(
     http: &reqwest::Client,
@@ -157,6 +176,10 @@ async fn send(
         Ok(response) => {
             let status = response.status().as_u16();
             let replayed = response.headers().contains_key("idempotent-replayed");
+            let retry_after = response
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok()?.parse().ok());
             let body = response
                 .bytes()
                 .await
@@ -167,18 +190,24 @@ async fn send(
             } else {
                 status.to_string()
             };
-            Answer {
+            let mut answer = Answer {
                 label,
                 replayed,
                 status,
                 body,
+                retry_after,
+            };
+            if answer.shed() {
+                SHED_LABEL.clone_into(&mut answer.label);
             }
+            answer
         }
         Err(_) => Answer {
             label: "transport".to_owned(),
             replayed: false,
             status: 0,
             body: Vec::new(),
+            retry_after: None,
         },
     }
 }
@@ -250,8 +279,11 @@ pub(crate) async fn run(
                 let answer = send(&http, &target, path, user, key.as_deref()).await;
                 sent += 1;
                 if began >= measure_from {
-                    measured += 1;
-                    latency.saturating_record(micros(began.elapsed()));
+                    // A shed is counted among the answers only: it served nothing.
+                    if !answer.shed() {
+                        measured += 1;
+                        latency.saturating_record(micros(began.elapsed()));
+                    }
                     *answers.entry(answer.label).or_default() += 1;
                 }
             }
@@ -294,7 +326,9 @@ pub(crate) fn micros(d: Duration) -> u64 {
 
 /// Rounds of [`STORM_SIZE`] requests at once with one fresh key each, until the time is up.
 /// In every round exactly one request may do the work (a `201` that is not a replay); every
-/// other answer is a `409` (the key is in flight) or a replay of that same `201`.
+/// other answer is a `409` (the key is in flight) or a replay of that same `201`. 64 at once
+/// are more than the service admits (`--admission-limit`): a request it sheds is sent again
+/// after its `Retry-After`, and its final answer is the one checked and timed.
 async fn storm(warmup: Duration, duration: Duration, target: &Target) -> anyhow::Result<Outcome> {
     let http = client(STORM_SIZE)?;
     let start = Instant::now();
@@ -312,8 +346,17 @@ async fn storm(warmup: Duration, duration: Duration, target: &Target) -> anyhow:
             requests.push(tokio::spawn(async move {
                 barrier.wait().await;
                 let began = Instant::now();
-                // One user for the whole round: a key is scoped by its user.
-                let answer = send(&http, &target, "/rides", 0, Some(&key)).await;
+                // One user for the whole round: a key is scoped by its user. A shed request
+                // wrote nothing: it is sent again after its Retry-After.
+                let mut answer = send(&http, &target, "/rides", 0, Some(&key)).await;
+                for _ in 0..STORM_SHED_RETRIES {
+                    if !answer.shed() {
+                        break;
+                    }
+                    let after = Duration::from_secs(answer.retry_after.unwrap_or(1));
+                    tokio::time::sleep(after).await;
+                    answer = send(&http, &target, "/rides", 0, Some(&key)).await;
+                }
                 (began, began.elapsed(), answer)
             }));
         }

@@ -255,7 +255,7 @@ fn summary(
 }
 
 /// The `type` of a problem+json body, if it is one.
-fn problem_type(body: &[u8]) -> Option<String> {
+pub(crate) fn problem_type(body: &[u8]) -> Option<String> {
     let problem: serde_json::Value = serde_json::from_slice(body).ok()?;
     Some(problem.get("type")?.as_str()?.to_owned())
 }

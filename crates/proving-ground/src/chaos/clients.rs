@@ -107,6 +107,8 @@ pub(crate) struct Answer {
     pub content_type: Option<String>,
     /// When it came, in seconds of the run (see [`Recorder::second`]); 0 after the run.
     pub second: u32,
+    /// A problem of type `over-capacity`: the service shed the request before doing anything.
+    pub over_capacity: bool,
 }
 
 /// One request and everything that happened to it.
@@ -264,6 +266,10 @@ pub(crate) async fn send(
         .map(Duration::from_secs);
     match response.bytes().await {
         Ok(bytes) => {
+            let over_capacity = status == 503
+                && serde_json::from_slice::<serde_json::Value>(&bytes).is_ok_and(|problem| {
+                    problem["type"] == rocket_rides::problem::types::OVER_CAPACITY
+                });
             let body = matches!(status, 201 | 402 | 502).then(|| bytes.to_vec());
             (
                 Answer {
@@ -273,6 +279,7 @@ pub(crate) async fn send(
                     location,
                     content_type,
                     second: 0,
+                    over_capacity,
                 },
                 retry_after,
             )
@@ -309,9 +316,9 @@ pub(crate) async fn verify(plan: &ClientPlan, logs: &mut [RequestLog]) {
         asks.spawn(async move {
             // The semaphore is never closed.
             let _permit = permits.acquire_owned().await.expect("semaphore is open");
-            let (late, _) = send(&http, target, &api_key, &key, &body).await;
+            let late = send_admitted(&http, target, &api_key, &key, &body).await;
             let swapped = match swapped_body {
-                Some(other) => Some(send(&http, target, &api_key, &key, &other).await.0),
+                Some(other) => Some(send_admitted(&http, target, &api_key, &key, &other).await),
                 None => None,
             };
             (i, late, swapped)
@@ -321,6 +328,32 @@ pub(crate) async fn verify(plan: &ClientPlan, logs: &mut [RequestLog]) {
         let (i, late, swapped) = result.expect("verification task");
         logs[i].late = Some(late);
         logs[i].swapped = swapped;
+    }
+}
+
+/// How often a question after the run is asked again after a shed.
+const SHED_RETRIES: u32 = 10;
+
+/// [`send`], asked again after its `Retry-After` while the service sheds it (503
+/// `over-capacity`: refused at the door, nothing done), as a client honouring it does. The
+/// questions after the run come all at once, more than one process admits
+/// (`--admission-limit`).
+async fn send_admitted(
+    http: &reqwest::Client,
+    target: SocketAddr,
+    api_key: &str,
+    key: &str,
+    body: &str,
+) -> Answer {
+    let mut tries = 0;
+    loop {
+        let (answer, retry_after) = send(http, target, api_key, key, body).await;
+        tries += 1;
+        let shed = answer.over_capacity;
+        match retry_after {
+            Some(after) if shed && tries <= SHED_RETRIES => tokio::time::sleep(after).await,
+            _ => return answer,
+        }
     }
 }
 

@@ -1,0 +1,222 @@
+//! The admission gate: the requests that use the database are admitted as many at once as the
+//! database can serve (`--admission-limit`, the pool's size by default); a request that finds
+//! every slot taken waits for one at most `--admission-wait`, then is shed with the 503
+//! `over-capacity` problem and its `Retry-After`.
+//!
+//! ```text
+//!  request ──slot free?──yes──────────────────────────► handler (auth, claim, booking task)
+//!                  │                                        holds the slot until its booking
+//!                  └─no──wait ≤ --admission-wait──slot──┘   task ends, not its connection
+//!                                     │
+//!                                     └─none──► 503 over-capacity, Retry-After: nothing written
+//! ```
+//!
+//! Why a gate of its own and not only `--http-max-in-flight`: a count of requests in flight far
+//! above the pool's connections lets them queue for a connection, each of a booking's four
+//! transactions again, so that past capacity every answer waits seconds; a count near the
+//! pool's size sheds the bursts of a load below capacity. Here the count is the pool's, and the
+//! short wait absorbs bursts: a burst's queue clears in (its size ÷ bookings per second). The
+//! wait is bounded, so the queue is too: at most the arrivals of one `--admission-wait` wait at
+//! once.
+//! `--http-max-in-flight` stays the outer bound of the whole edge.
+//!
+//! The gate is on the routes that use the database on a client's behalf (`POST /rides`,
+//! `GET /rides/{id}`, the benchmark's baseline), never on `/healthz`, `/readyz`, `/metrics` or
+//! `/openapi.json`: a probe shed under load would take a busy but healthy process out of a load
+//! balancer's rotation and put its load on the others. `/readyz` still takes a pooled
+//! connection for its one statement, and gets one within a statement's time, since the admitted
+//! requests hold at most one connection each at a time.
+//!
+//! It sits before the handler, so before the API key's look-up and the idempotency key's claim:
+//! a shed request has written nothing, and its retry under the same key is a first attempt.
+//!
+//! It is the service's own rather than `idempotency-axum`'s: what it guards is this process's
+//! pool, which routes use it is the service's choice, and its refusal is the service's problem
+//! document and counter. A library version would take all three as parameters and gain little
+//! over this one file.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::extract::Request;
+use axum::response::{IntoResponse, Response};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tower::{Layer, Service};
+
+use crate::metrics::Metrics;
+use crate::problem::ApiError;
+
+/// A slot of the gate, held by an admitted request: put in the request's extensions, so that
+/// work the handler detaches from the connection (the booking's task) takes it along and the
+/// slot is freed only once that work is done. Cloning shares the one slot.
+#[derive(Clone)]
+pub struct Admitted(#[allow(dead_code)] Arc<OwnedSemaphorePermit>);
+
+/// The gate as a tower layer ([`AdmissionLayer::new`]); one gate, shared by every route it
+/// wraps.
+#[derive(Clone)]
+pub struct AdmissionLayer {
+    slots: Arc<Semaphore>,
+    wait: Duration,
+    metrics: Metrics,
+}
+
+impl AdmissionLayer {
+    /// A gate of `limit` slots (at least one) whose requests wait at most `wait` for one; a
+    /// shed is counted in `metrics` (`http_requests_shed_total`).
+    pub fn new(limit: u32, wait: Duration, metrics: Metrics) -> Self {
+        Self {
+            slots: Arc::new(Semaphore::new(limit.max(1) as usize)),
+            wait,
+            metrics,
+        }
+    }
+}
+
+impl<S> Layer<S> for AdmissionLayer {
+    type Service = Admission<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Admission {
+            inner,
+            gate: self.clone(),
+        }
+    }
+}
+
+/// The gate in front of one route's service.
+#[derive(Clone)]
+pub struct Admission<S> {
+    inner: S,
+    gate: AdmissionLayer,
+}
+
+impl<S> Service<Request> for Admission<S>
+where
+    S: Service<Request, Response = Response> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request) -> Self::Future {
+        // The service that was polled ready is the one called; its clone stays for the next.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let gate = self.gate.clone();
+        Box::pin(async move {
+            let Some(permit) = gate.admit().await else {
+                gate.metrics.request_shed();
+                return Ok(ApiError::OverCapacity.into_response());
+            };
+            let admitted = Admitted(Arc::new(permit));
+            request.extensions_mut().insert(admitted.clone());
+            let response = inner.call(request).await;
+            // Held until the answer is made, whatever the handler did with the request's copy.
+            drop(admitted);
+            response
+        })
+    }
+}
+
+impl AdmissionLayer {
+    /// A slot: at once when one is free, else the first freed within the wait (the semaphore
+    /// hands slots out in arrival order), else none.
+    async fn admit(&self) -> Option<OwnedSemaphorePermit> {
+        if let Ok(permit) = self.slots.clone().try_acquire_owned() {
+            return Some(permit);
+        }
+        if self.wait.is_zero() {
+            return None;
+        }
+        // The semaphore is never closed: an error cannot come.
+        tokio::time::timeout(self.wait, self.slots.clone().acquire_owned())
+            .await
+            .ok()
+            .and_then(Result::ok)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::poll_fn;
+
+    use axum::body::Body;
+    use tokio::sync::{mpsc, watch};
+    use tower::ServiceExt;
+
+    use super::*;
+
+    /// A gate of one slot in front of a service that says when a request entered it and
+    /// answers 200 once `go` is true, with whether the request carried its slot.
+    fn gated(
+        wait: Duration,
+        metrics: &Metrics,
+    ) -> (
+        impl Service<Request, Response = Response, Error = std::convert::Infallible, Future: Send>
+            + Clone,
+        mpsc::UnboundedReceiver<()>,
+        watch::Sender<bool>,
+    ) {
+        let (entered, entries) = mpsc::unbounded_channel();
+        let (go, gone) = watch::channel(false);
+        let inner = tower::service_fn(move |request: Request| {
+            let (entered, mut gone) = (entered.clone(), gone.clone());
+            async move {
+                assert!(request.extensions().get::<Admitted>().is_some());
+                entered.send(()).unwrap();
+                gone.wait_for(|go| *go).await.unwrap();
+                Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
+            }
+        });
+        let layer = AdmissionLayer::new(1, wait, metrics.clone());
+        (layer.layer(inner), entries, go)
+    }
+
+    fn request() -> Request {
+        Request::new(Body::empty())
+    }
+
+    #[tokio::test]
+    async fn a_request_without_a_slot_is_admitted_when_one_frees_within_the_wait() {
+        let metrics = Metrics::default();
+        let (service, mut entries, go) = gated(Duration::from_secs(1), &metrics);
+        let first = tokio::spawn(service.clone().oneshot(request()));
+        entries.recv().await.unwrap();
+        let mut second = Box::pin(service.oneshot(request()));
+        // The slot is the first's: the second waits for it.
+        assert!(poll_fn(|cx| Poll::Ready(second.as_mut().poll(cx)))
+            .await
+            .is_pending());
+        go.send_replace(true);
+        assert_eq!(first.await.unwrap().unwrap().status(), 200);
+        assert_eq!(second.await.unwrap().status(), 200);
+        assert!(entries.recv().await.is_some(), "the second entered");
+        assert!(metrics.render(None).contains("http_requests_shed_total 0"));
+    }
+
+    #[tokio::test]
+    async fn a_request_without_a_slot_past_the_wait_is_shed_and_never_enters() {
+        let metrics = Metrics::default();
+        let (service, mut entries, go) = gated(Duration::from_millis(10), &metrics);
+        let first = tokio::spawn(service.clone().oneshot(request()));
+        entries.recv().await.unwrap();
+        let shed = service.clone().oneshot(request()).await.unwrap();
+        assert_eq!(shed.status(), 503);
+        assert_eq!(shed.headers()["retry-after"], "1");
+        assert!(metrics.render(None).contains("http_requests_shed_total 1"));
+        go.send_replace(true);
+        assert_eq!(first.await.unwrap().unwrap().status(), 200);
+        assert!(entries.try_recv().is_err(), "the shed one never entered");
+        // The slot is free again.
+        assert_eq!(service.oneshot(request()).await.unwrap().status(), 200);
+    }
+}
