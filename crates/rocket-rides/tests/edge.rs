@@ -209,7 +209,7 @@ async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_not
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
     // The admitted bookings hold their slots at the gateway until it lets them go on.
     app.gateway.hold_charges();
-    let admitted: Vec<_> = (0..ADMITTED)
+    let mut admitted: Vec<_> = (0..ADMITTED)
         .map(|i| spawn_booking(&app, &api_key, &format!("admitted-{i}")))
         .collect();
     app.gateway.charges_held(ADMITTED).await;
@@ -237,22 +237,46 @@ async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_not
         ADMITTED as i64,
         "only the admitted claimed"
     );
+    // A client that hangs up frees no slot: its booking goes on in its own task, which uses
+    // the database until it ends, and holds the slot as long.
+    admitted.remove(0).abort();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after_hang_up = app
+        .post_ride(Some(&api_key), Some("after-hang-up"), RIDE)
+        .await;
+    assert_eq!(after_hang_up.status, 503, "{after_hang_up:?}");
+    assert_eq!(after_hang_up.problem_type(), types::OVER_CAPACITY);
+    assert_eq!(key_rows(&app, "after-hang-up").await, 0);
 
     app.gateway.release_charges();
     for reply in admitted {
         let reply = reply.await.unwrap();
         assert_eq!(reply.status, 201, "{reply:?}");
     }
+    // The abandoned booking finished in its task: its retry is a replay once it has.
+    let abandoned = loop {
+        let reply = app
+            .post_ride(Some(&api_key), Some("admitted-0"), RIDE)
+            .await;
+        if reply.status != 409 {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(abandoned.status, 201, "{abandoned:?}");
+    assert!(abandoned.replayed(), "{abandoned:?}");
     // The shed ones' retries, under the same keys, are first attempts: each books once.
-    for i in 0..SHED {
-        let key = format!("shed-{i}");
+    for key in (0..SHED)
+        .map(|i| format!("shed-{i}"))
+        .chain(["after-hang-up".to_owned()])
+    {
         let first = app.post_ride(Some(&api_key), Some(&key), RIDE).await;
         assert_eq!(first.status, 201, "{first:?}");
         assert!(!first.replayed(), "{key} had written nothing");
         let again = app.post_ride(Some(&api_key), Some(&key), RIDE).await;
         assert!(again.replayed() && again.body == first.body, "{again:?}");
     }
-    let total = (ADMITTED + SHED) as i64;
+    let total = (ADMITTED + SHED + 1) as i64;
     assert_eq!(app.rides().await, total);
     assert_eq!(app.charges().await, total);
     assert_eq!(app.keys().await, total);

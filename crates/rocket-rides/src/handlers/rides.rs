@@ -5,12 +5,14 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use http::{HeaderMap, Uri};
 use idempotency::{Begun, Fingerprint, Lease, NewRequest, Owner};
 use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
 use serde_json::json;
 use tracing::Instrument;
 
+use crate::admission::Admitted;
 use crate::auth::AuthUser;
 use crate::booking::{self, BookingError, RidePoint};
 use crate::problem::ApiError;
@@ -48,6 +50,7 @@ pub async fn create(
     user: AuthUser,
     RequiredKey(key): RequiredKey,
     headers: HeaderMap,
+    admitted: Option<Extension<Admitted>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     // Everything is validated before the key is claimed: bad input writes no row.
@@ -66,9 +69,11 @@ pub async fn create(
     // From the claim on, the request runs in a task of its own. If the client hangs up, hyper
     // drops the handler's future; were the claim, a phase or the release dropped with it, the key
     // would stay locked until its lease expired. The task finishes what it started.
-    // The task logs in the request's span, so its lines carry the request id.
+    // The task logs in the request's span, so its lines carry the request id. It holds the
+    // request's slot of the admission gate until it ends, since it uses the database until then.
     let task = state.clone().tasks.spawn(
         async move {
+            let _admitted = admitted;
             let fingerprint = Fingerprint::of_json("POST", RIDES_ROUTE, &json);
             let owner = Owner::from(user.id);
             // A replay, a mismatch or a key in flight is answered from one read. A new key is
