@@ -19,7 +19,11 @@
 //! the pool the [`crate::Store`] uses.
 //!
 //! Several processes may migrate at once: a transaction-level advisory lock makes them take
-//! turns, and all of a run's migrations commit with their bookkeeping rows in one transaction.
+//! turns, and all of a plain [`migrate`]'s migrations commit with their bookkeeping rows in one
+//! transaction. [`migrate_with`] and [`migrate_online`] apply the migrations from before the
+//! live-database rule that hold an exclusive lock for long by an online plan instead (the
+//! submodule `online`; the crate's own plans in `plans`): short transactions, backfills in
+//! batches, indexes built concurrently, each migration recorded with its file's checksum.
 //!
 //! The migrating session waits at most [`MIGRATION_LOCK_TIMEOUT`] for any lock (migrations whose
 //! files set a bound of their own keep theirs): a migration's exclusive lock queues behind every
