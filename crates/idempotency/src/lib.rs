@@ -66,7 +66,8 @@ pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
 pub use lease::LEASE_LOG;
 pub use migrate::{
-    migrate, migrate_with, LOCK_TIMEOUT_MESSAGE, MIGRATIONS_TABLE, MIGRATION_LOCK_TIMEOUT,
+    migrate, migrate_online, migrate_with, migrate_with_files, OnlinePlan, BACKFILL_BATCH,
+    LOCK_TIMEOUT_MESSAGE, MIGRATIONS_TABLE, MIGRATION_LOCK_TIMEOUT, STEP_LOCK_TIMEOUT,
 };
 pub use observe::{ClaimOutcome, Observer};
 pub use owner::{Owner, OwnerError, MAX_OWNER_LEN};

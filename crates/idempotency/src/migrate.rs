@@ -19,7 +19,11 @@
 //! the pool the [`crate::Store`] uses.
 //!
 //! Several processes may migrate at once: a transaction-level advisory lock makes them take
-//! turns, and all of a run's migrations commit with their bookkeeping rows in one transaction.
+//! turns, and all of a plain [`migrate`]'s migrations commit with their bookkeeping rows in one
+//! transaction. [`migrate_with`] and [`migrate_online`] apply the migrations from before the
+//! live-database rule that hold an exclusive lock for long by an online plan instead (the
+//! submodule `online`; the crate's own plans in `plans`): short transactions, backfills in
+//! batches, indexes built concurrently, each migration recorded with its file's checksum.
 //!
 //! The migrating session waits at most [`MIGRATION_LOCK_TIMEOUT`] for any lock (migrations whose
 //! files set a bound of their own keep theirs): a migration's exclusive lock queues behind every
@@ -37,6 +41,12 @@ use sqlx::postgres::{PgConnection, PgPool, Postgres};
 use sqlx::{Connection, Executor, Row, Transaction};
 
 use crate::Error;
+
+mod online;
+mod plans;
+
+use online::{check_plans, plan_for, run_plan, Ledger};
+pub use online::{OnlinePlan, BACKFILL_BATCH, STEP_LOCK_TIMEOUT};
 
 /// The crate's bookkeeping table.
 pub const MIGRATIONS_TABLE: &str = "idempotency_schema_migrations";
@@ -65,7 +75,7 @@ pub const LOCK_TIMEOUT_MESSAGE: &str = "a migration waited too long for a lock a
 /// lock: all of it commits, or nothing does, and concurrent migrators take turns.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
     let mut conn = migrating_connection(pool, "apply the idempotency migrations").await?;
-    let outcome = apply_ours(&mut conn, None).await;
+    let outcome = apply_ours(&mut conn, None, None).await;
     explain_lock_timeout(&mut conn, outcome).await
 }
 
@@ -161,6 +171,38 @@ async fn explain_lock_timeout(
 /// # }
 /// ```
 pub async fn migrate_with(pool: &PgPool, app: &Migrator) -> Result<(), Error> {
+    migrate_online(pool, app, &[]).await
+}
+
+/// [`migrate_with`], with the application's own online plans: a pending application migration
+/// that `plans` names is applied by its plan's steps instead of its file, and recorded in
+/// `_sqlx_migrations` with its file's checksum, as the file would have been (the module
+/// `online`'s essay; docs/operations.md, "Migrations on a live database"). The crate's own
+/// plans are always used. A plan that names no migration of `app`, or a version twice, is
+/// refused before anything runs.
+pub async fn migrate_online(
+    pool: &PgPool,
+    app: &Migrator,
+    plans: &[OnlinePlan],
+) -> Result<(), Error> {
+    let versions: Vec<i64> = app.iter().map(|m| m.version).collect();
+    check_plans(plans, &versions, "application's")?;
+    let ours = plans::plans();
+    combined(pool, app, Some((&ours, plans))).await
+}
+
+/// [`migrate_with`] from the migrations' files alone, no online plan: each pending migration
+/// runs in its file's transaction. The reference the plans are compared against (they must
+/// reach the same catalog and the same bookkeeping); on a live database with large tables, use
+/// [`migrate_with`] or [`migrate_online`].
+pub async fn migrate_with_files(pool: &PgPool, app: &Migrator) -> Result<(), Error> {
+    combined(pool, app, None).await
+}
+
+/// The crate's plans and the application's; `None` to run every migration from its file.
+type Plans<'a> = Option<(&'a [OnlinePlan], &'a [OnlinePlan])>;
+
+async fn combined(pool: &PgPool, app: &Migrator, plans: Plans<'_>) -> Result<(), Error> {
     let app_error = |e: MigrateError| Error::Migration(format!("application migrations: {e}"));
     let mut conn =
         migrating_connection(pool, "migrate the idempotency and application tables").await?;
@@ -168,7 +210,7 @@ pub async fn migrate_with(pool: &PgPool, app: &Migrator) -> Result<(), Error> {
     conn.lock().await.map_err(app_error)?;
     // The application's migrations run on this session as sqlx runs them.
     let outcome = match (&mut *conn).execute(&*bound_lock_waits("SESSION")).await {
-        Ok(_) => interleave(&mut conn, app).await,
+        Ok(_) => interleave(&mut conn, app, plans).await,
         Err(e) => Err(Error::db("bound the migration's lock waits")(e)),
     };
     let outcome = explain_lock_timeout(&mut conn, outcome).await;
@@ -182,11 +224,16 @@ pub async fn migrate_with(pool: &PgPool, app: &Migrator) -> Result<(), Error> {
     app.run(pool).await.map_err(app_error)
 }
 
-async fn interleave(conn: &mut PgConnection, app: &Migrator) -> Result<(), Error> {
+async fn interleave(
+    conn: &mut PgConnection,
+    app: &Migrator,
+    plans: Plans<'_>,
+) -> Result<(), Error> {
+    let ours = plans.map(|(ours, _)| ours);
     let app_error = |e: MigrateError| Error::Migration(format!("application migrations: {e}"));
     // Earlier versions of the crate recorded theirs in sqlx's table: adopted before that table
     // is read as the application's.
-    apply_ours(conn, Some(i64::MIN)).await?;
+    apply_ours(conn, Some(i64::MIN), ours).await?;
     conn.ensure_migrations_table().await.map_err(app_error)?;
     if let Some(version) = conn.dirty_version().await.map_err(app_error)? {
         return Err(app_error(MigrateError::Dirty(version)));
@@ -227,7 +274,11 @@ async fn interleave(conn: &mut PgConnection, app: &Migrator) -> Result<(), Error
         }
     }
     for migration in pending {
-        apply_ours(conn, Some(migration.version)).await?;
+        apply_ours(conn, Some(migration.version), ours).await?;
+        if let Some(plan) = plans.and_then(|(_, app)| plan_for(app, migration.version)) {
+            run_plan(conn, plan, migration, Ledger::App).await?;
+            continue;
+        }
         conn.apply(migration).await.map_err(|e| match e {
             // The database's own error, kept so that a lock timeout is told as one.
             MigrateError::Execute(source) | MigrateError::ExecuteMigration(source, _) => {
@@ -242,13 +293,71 @@ async fn interleave(conn: &mut PgConnection, app: &Migrator) -> Result<(), Error
             e => app_error(e),
         })?;
     }
-    apply_ours(conn, None).await
+    apply_ours(conn, None, ours).await
 }
 
-/// Applies the crate's pending migrations of a version below `below` (all of them when `None`)
-/// in one transaction, after adopting what earlier versions recorded in sqlx's table.
-async fn apply_ours(conn: &mut PgConnection, below: Option<i64>) -> Result<(), Error> {
+/// Applies the crate's pending migrations of a version below `below` (all of them when `None`),
+/// after adopting what earlier versions recorded in sqlx's table: in one transaction without
+/// `plans`; with them, those between two planned ones in one transaction, and each planned one
+/// by its plan, under the migrators' advisory lock held by the session.
+async fn apply_ours(
+    conn: &mut PgConnection,
+    below: Option<i64>,
+    plans: Option<&[OnlinePlan]>,
+) -> Result<(), Error> {
     let migrator = sqlx::migrate!("./migrations");
+    while let Some(version) = apply_ours_until_planned(conn, &migrator, below, plans).await? {
+        // A version found among the plans and the migrator's own: neither lookup can fail.
+        let migration = migrator.iter().find(|m| m.version == version);
+        let plan = plans.and_then(|plans| plan_for(plans, version));
+        let (Some(migration), Some(plan)) = (migration, plan) else {
+            unreachable!("planned migration {version} is the crate's");
+        };
+        session_lock(conn, true).await?;
+        let outcome = run_plan(conn, plan, migration, Ledger::Crate).await;
+        let unlocked = session_lock(conn, false).await;
+        outcome.and(unlocked)?;
+    }
+    Ok(())
+}
+
+/// Takes (`take`) or releases the crate's migrators' advisory lock at session level, so that a
+/// plain [`migrate`] elsewhere waits while a plan runs its transactions; the wait for it is not
+/// bounded, as in [`apply_ours_until_planned`].
+async fn session_lock(conn: &mut PgConnection, take: bool) -> Result<(), Error> {
+    let context = "take turns with other idempotency migrators";
+    if take {
+        (&mut *conn)
+            .execute("SET lock_timeout = 0")
+            .await
+            .map_err(Error::db(context))?;
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(LOCK)
+            .execute(&mut *conn)
+            .await
+            .map_err(Error::db(context))?;
+        (&mut *conn)
+            .execute(&*bound_lock_waits("SESSION"))
+            .await
+            .map_err(Error::db(context))?;
+    } else {
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(LOCK)
+            .execute(&mut *conn)
+            .await
+            .map_err(Error::db(context))?;
+    }
+    Ok(())
+}
+
+/// One transaction of [`apply_ours`]: the pending migrations below `below` up to the first one
+/// `plans` names, which is returned, uncommitted and unapplied, once the others have committed.
+async fn apply_ours_until_planned(
+    conn: &mut PgConnection,
+    migrator: &Migrator,
+    below: Option<i64>,
+    plans: Option<&[OnlinePlan]>,
+) -> Result<Option<i64>, Error> {
     let ours: Vec<&Migration> = migrator
         .iter()
         .filter(|m| !matches!(m.migration_type, MigrationType::ReversibleDown))
@@ -306,10 +415,15 @@ async fn apply_ours(conn: &mut PgConnection, below: Option<i64>) -> Result<(), E
             Some(_) => return Err(changed(migration)),
             // On a tie, the crate's first.
             None if below.is_some_and(|below| migration.version > below) => {}
+            None if plans.is_some_and(|plans| plan_for(plans, migration.version).is_some()) => {
+                tx.commit().await.map_err(Error::db(context))?;
+                return Ok(Some(migration.version));
+            }
             None => run(&mut tx, migration).await?,
         }
     }
-    tx.commit().await.map_err(Error::db(context))
+    tx.commit().await.map_err(Error::db(context))?;
+    Ok(None)
 }
 
 /// Moves the crate's entries of `_sqlx_migrations`, as earlier versions recorded them, to its

@@ -556,3 +556,35 @@ async fn an_application_migration_behind_a_long_transaction_gives_up_naming_it(p
         "{refused}"
     );
 }
+
+#[sqlx::test(migrations = false)]
+async fn an_online_plan_naming_no_migration_or_one_twice_is_refused_before_anything_runs(
+    pool: PgPool,
+) {
+    let app = sqlx::migrate!("./tests/app_migrations");
+    let unknown = [idempotency::OnlinePlan::new(19990101000001)];
+    let refused = idempotency::migrate_online(&pool, &app, &unknown)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("19990101000001"), "{refused}");
+    let first = app.iter().next().unwrap().version;
+    let twice = [
+        idempotency::OnlinePlan::new(first),
+        idempotency::OnlinePlan::new(first),
+    ];
+    let refused = idempotency::migrate_online(&pool, &app, &twice)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("two online plans"), "{refused}");
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_class WHERE relname IN ('idempotency_keys', '_sqlx_migrations')"
+        )
+        .await,
+        0,
+        "nothing ran"
+    );
+}

@@ -15,7 +15,9 @@
 //!
 //! Migrations applied before the rule cannot change (sqlx refuses a database whose applied
 //! migration's checksum differs from its file), so each is allowed, by name and rule, in
-//! `HISTORICAL`, with the reason it is safe to keep or what an operator must do.
+//! `HISTORICAL`, with the reason it is safe to keep: most are applied on a database that has them
+//! ahead by an online plan of the same schema (the crate's `src/migrate/plans.rs`, Rocket Rides'
+//! `src/db/online.rs`), the others are short or create what did not exist.
 
 use std::path::{Path, PathBuf};
 
@@ -67,34 +69,36 @@ const HISTORICAL: &[(&str, &[Rule], &str)] = &[
             Rule::IndexNotConcurrent,
         ],
         "the column's default is a constant (no rewrite, but its CHECK scans the key table) and \
-         the index build locks out writes: milliseconds on the few keys of the first release; \
-         an operator of a large table runs it in a quiet moment (docs/operations.md)",
+         the partial index covers only the unfinished keys: runs from its file, measured well \
+         under a second on 200,000 keys by rocket-rides' live_migration.rs",
     ),
     (
         "idempotency/migrations/20261130000001_request_uuid.sql",
         &[Rule::NoLockTimeout, Rule::AddColumnRewrites],
-        "gen_random_uuid() as the default rewrites the key table under an exclusive lock; \
-         already applied by every released version since 2026-11-30; a database still before \
-         it is upgraded in a quiet moment (docs/operations.md)",
+        "gen_random_uuid() as the default rewrites the key table under an exclusive lock: \
+         migrate_with applies it by the crate's online plan (the column without the default, \
+         the default for new rows, a backfill in batches, NOT NULL through a validated check)",
     ),
     (
         "idempotency/migrations/20261130000002_user_in_every_key.sql",
         &[Rule::NoLockTimeout, Rule::ConstraintValidated],
-        "rebuilds the primary key under an exclusive lock; as above",
+        "rebuilds the primary key under an exclusive lock: migrate_with builds both indexes \
+         concurrently and swaps the constraints onto them (USING INDEX) in a short transaction",
     ),
     (
         "idempotency/migrations/20261130000003_hot_updates.sql",
         &[Rule::NoLockTimeout, Rule::IndexNotConcurrent],
         "copies the unfinished keys (few: keys finish in milliseconds) into a new table and \
-         builds an index on created_at under a lock that blocks writes; as above",
+         builds an index on created_at under a lock that blocks writes: runs from its file, \
+         measured well under a second on 200,000 keys by rocket-rides' live_migration.rs",
     ),
     (
         "idempotency/migrations/20261202000001_owner_text.sql",
         &[Rule::ColumnType, Rule::ConstraintValidated],
         "turns the owner into text and checks its length, which rewrites the key table under an \
-         exclusive lock: the \
-         processes of the earlier version must be stopped before it anyway (docs/operations.md, \
-         \"Upgrading\"), so it runs without traffic",
+         exclusive lock: migrate_with applies it by the crate's online plan (a new text column \
+         kept by a trigger and backfilled, its indexes built concurrently, swapped in by one \
+         short transaction that drops user_id and renames the column)",
     ),
     (
         "rocket-rides/migrations/20261129100001_rocket_rides.sql",
@@ -115,8 +119,9 @@ const HISTORICAL: &[(&str, &[Rule], &str)] = &[
             Rule::ConstraintValidated,
             Rule::AddColumnRewrites,
         ],
-        "updates every ride and validates constraints under one exclusive lock; as the crate's \
-         2026-11-30 migrations",
+        "updates every ride and validates constraints under one exclusive lock: rocket-rides \
+         migrate applies it by its online plan (src/db/online.rs: columns without their \
+         defaults, backfills in batches, checks NOT VALID then validated)",
     ),
     (
         "rocket-rides/migrations/20261130100002_user_in_every_key.sql",
@@ -129,7 +134,9 @@ const HISTORICAL: &[(&str, &[Rule], &str)] = &[
             Rule::AddColumnRewrites,
         ],
         "rebuilds the primary keys of rides, receipts, audit records and staged jobs, and fills \
-         the staged jobs' owners, under exclusive locks; as the crate's 2026-11-30 migrations",
+         the staged jobs' owners, under exclusive locks: rocket-rides migrate applies it by its \
+         online plan (indexes built concurrently, keys USING INDEX, references NOT VALID then \
+         validated; the staged jobs, a handful in the outbox, as the file does)",
     ),
     (
         "rocket-rides/migrations/20261130100003_one_customer_per_user.sql",
@@ -145,8 +152,9 @@ const HISTORICAL: &[(&str, &[Rule], &str)] = &[
     (
         "rocket-rides/migrations/20261202100001_key_owner_text.sql",
         &[Rule::Backfill, Rule::SetNotNull, Rule::ConstraintValidated],
-        "fills and checks rides.key_owner under an exclusive lock; runs with the crate's \
-         20261202000001, without traffic (docs/operations.md, \"Upgrading\")",
+        "fills and checks rides.key_owner under an exclusive lock: rocket-rides migrate applies \
+         it by its online plan (a trigger fills new rows, a backfill in batches the old ones, \
+         the check and the reference NOT VALID then validated)",
     ),
     (
         "fakestripe/migrations/20261129200001_fakestripe.sql",

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
+mod online;
+
 /// How long to wait for a pooled connection before failing the request (a 500, lease released)
 /// rather than queueing without bound when the database is saturated.
 pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -61,11 +63,25 @@ pub enum MigrateError {
 
 /// Applies the idempotency crate's migrations and the service's own, in the order of their
 /// versions: `rides` references `idempotency_keys`, by an integer owner before the crate's
-/// 20261202000001 and by its text form after.
+/// 20261202000001 and by its text form after. The migrations from before the live-database rule
+/// that hold an exclusive lock for long on a large table are applied by their online plans
+/// (`online.rs`, and the crate's own), and recorded with their files' checksums.
 pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
     // The crate keeps its own bookkeeping, and moves the entries that earlier versions left in
     // sqlx's table to it: sqlx's table holds only the service's migrations.
-    idempotency::migrate_with(pool, &sqlx::migrate!("./migrations")).await?;
+    idempotency::migrate_online(pool, &migrator(), &online::plans()).await?;
+    Ok(())
+}
+
+/// The service's migrations, as their files hold them.
+pub fn migrator() -> sqlx::migrate::Migrator {
+    sqlx::migrate!("./migrations")
+}
+
+/// What [`migrate`] does, with every migration from its file and no online plan: the reference
+/// its plans are compared against (`tests/online_plans.rs`).
+pub async fn migrate_from_files(pool: &PgPool) -> Result<(), MigrateError> {
+    idempotency::migrate_with_files(pool, &migrator()).await?;
     Ok(())
 }
 
