@@ -206,22 +206,33 @@ async fn combined(pool: &PgPool, app: &Migrator, plans: Plans<'_>) -> Result<(),
     let app_error = |e: MigrateError| Error::Migration(format!("application migrations: {e}"));
     let mut conn =
         migrating_connection(pool, "migrate the idempotency and application tables").await?;
-    // Waiting for another migrator is not bounded: it takes its turn once that one is done.
-    conn.lock().await.map_err(app_error)?;
-    // The application's migrations run on this session as sqlx runs them.
-    let outcome = match (&mut *conn).execute(&*bound_lock_waits("SESSION")).await {
-        Ok(_) => interleave(&mut conn, app, plans).await,
-        Err(e) => Err(Error::db("bound the migration's lock waits")(e)),
+    // Waiting for another migrator is not bounded: it takes its turn once that one is done. The
+    // crate's lock first, by polling, then sqlx's, which no other of these migrators then holds.
+    session_lock(&mut conn, true).await?;
+    let outcome = match conn.lock().await.map_err(app_error) {
+        Ok(()) => {
+            // The application's migrations run on this session as sqlx runs them.
+            let outcome = match (&mut *conn).execute(&*bound_lock_waits("SESSION")).await {
+                Ok(_) => interleave(&mut conn, app, plans).await,
+                Err(e) => Err(Error::db("bound the migration's lock waits")(e)),
+            };
+            let outcome = explain_lock_timeout(&mut conn, outcome).await;
+            // Released before the outcome is told, success or not; a failed release leaves the
+            // lock to the connection's end.
+            let unlocked = conn.unlock().await.map_err(app_error);
+            // What sqlx itself checks of the applied ones (a missing migration, unless the
+            // application allows it); nothing is left for it to apply. Still under the crate's
+            // lock: its wait for sqlx's lock is a statement that holds a snapshot, which another
+            // migrator's CREATE INDEX CONCURRENTLY would wait for while holding that lock.
+            match outcome.and(unlocked) {
+                Ok(()) => app.run(&mut *conn).await.map_err(app_error),
+                Err(e) => Err(e),
+            }
+        }
+        Err(e) => Err(e),
     };
-    let outcome = explain_lock_timeout(&mut conn, outcome).await;
-    // Released before the outcome is told, success or not; a failed release leaves the lock to
-    // the connection's end.
-    let unlocked = conn.unlock().await.map_err(app_error);
-    outcome.and(unlocked)?;
-    drop(conn);
-    // What sqlx itself checks of the applied ones (a missing migration, unless the application
-    // allows it), on a connection of the pool's; nothing is left for it to apply.
-    app.run(pool).await.map_err(app_error)
+    let released = session_lock(&mut conn, false).await;
+    outcome.and(released)
 }
 
 async fn interleave(
@@ -331,9 +342,7 @@ async fn session_lock(conn: &mut PgConnection, take: bool) -> Result<(), Error> 
             .execute("SET lock_timeout = 0")
             .await
             .map_err(Error::db(context))?;
-        sqlx::query("SELECT pg_advisory_lock($1)")
-            .bind(LOCK)
-            .execute(&mut *conn)
+        take_turn(conn, "pg_try_advisory_lock")
             .await
             .map_err(Error::db(context))?;
         (&mut *conn)
@@ -346,6 +355,26 @@ async fn session_lock(conn: &mut PgConnection, take: bool) -> Result<(), Error> 
             .execute(&mut *conn)
             .await
             .map_err(Error::db(context))?;
+    }
+    Ok(())
+}
+
+/// How often a migrator waiting for its turn asks again.
+const TURN_POLL: Duration = Duration::from_millis(50);
+
+/// Takes the migrators' advisory lock with `function` (`pg_try_advisory_lock` or
+/// `pg_try_advisory_xact_lock`), asking again until it is free. Not `pg_advisory_lock`: a
+/// session blocked in that statement holds a snapshot, and a migrator building an index
+/// `CONCURRENTLY` under the lock waits for every older snapshot to end, so the two would wait for
+/// each other (PostgreSQL ends one as a deadlock). Between two tries this session holds none.
+async fn take_turn(conn: &mut PgConnection, function: &str) -> Result<(), sqlx::Error> {
+    let query = format!("SELECT {function}($1)");
+    while !sqlx::query_scalar::<_, bool>(&query)
+        .bind(LOCK)
+        .fetch_one(&mut *conn)
+        .await?
+    {
+        tokio::time::sleep(TURN_POLL).await;
     }
     Ok(())
 }
@@ -377,9 +406,7 @@ async fn apply_ours_until_planned(
         .execute("SET LOCAL lock_timeout = 0")
         .await
         .map_err(Error::db(context))?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)")
-        .bind(LOCK)
-        .execute(&mut *tx)
+    take_turn(&mut tx, "pg_try_advisory_xact_lock")
         .await
         .map_err(Error::db("wait for other idempotency migrators"))?;
     (&mut *tx)
