@@ -314,12 +314,8 @@ async fn the_reaper_deletes_only_finished_keys_past_retention_and_keeps_the_ride
 
 /// Reaping a key makes PostgreSQL find the rows that reference it (`ON DELETE SET NULL` on the
 /// ride's reference): each reference to the key table must lead an index of its table, or every
-/// deleted key walks a whole index or table, and the reaper slows as rides accumulate. It fails
-/// today (rides_idempotency_key_fkey leads no index), and is ignored for it: the index needs a
-/// `CREATE INDEX CONCURRENTLY`, which deadlocks with a second migrator waiting for the
-/// migrators' lock (docs/performance.md, "What the reaper keeps the table at").
+/// deleted key walks a whole index or table, and the reaper slows as rides accumulate.
 #[sqlx::test(migrations = false)]
-#[ignore = "fails today: rides_idempotency_key_fkey leads no index (docs/performance.md)"]
 async fn every_reference_to_the_key_table_leads_an_index_for_the_reaper(pool: PgPool) {
     rocket_rides::db::migrate(&pool).await.unwrap();
     let references: Vec<(String, bool)> = sqlx::query_as(
