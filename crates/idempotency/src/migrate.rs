@@ -71,12 +71,18 @@ pub const LOCK_TIMEOUT_MESSAGE: &str = "a migration waited too long for a lock a
 /// run both with [`migrate_with`], which an upgrade that changes what they reference needs.
 /// Migrations already applied are checked against the crate's files, and refused if they differ.
 ///
-/// Everything happens in one transaction on one connection, behind a transaction-level advisory
-/// lock: all of it commits, or nothing does, and concurrent migrators take turns.
+/// Everything happens in one transaction on one connection, behind the migrators' advisory lock
+/// (taken before the transaction begins, by asking until it is free): all of it commits, or
+/// nothing does, and concurrent migrators take turns.
 pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
     let mut conn = migrating_connection(pool, "apply the idempotency migrations").await?;
+    // The turn is taken before the transaction begins: a transaction open while it waits would
+    // be one that another migrator's concurrent index build waits for, while it holds the turn.
+    session_lock(&mut conn, true).await?;
     let outcome = apply_ours(&mut conn, None, None).await;
-    explain_lock_timeout(&mut conn, outcome).await
+    let outcome = explain_lock_timeout(&mut conn, outcome).await;
+    let released = session_lock(&mut conn, false).await;
+    outcome.and(released)
 }
 
 /// A connection of `pool` to migrate on, closed when dropped, so that the bound its session puts
@@ -209,7 +215,12 @@ async fn combined(pool: &PgPool, app: &Migrator, plans: Plans<'_>) -> Result<(),
     // Waiting for another migrator is not bounded: it takes its turn once that one is done. The
     // crate's lock first, by polling, then sqlx's, which no other of these migrators then holds.
     session_lock(&mut conn, true).await?;
-    let outcome = match conn.lock().await.map_err(app_error) {
+    // Another tool's sqlx migrator may hold sqlx's lock: waited for as long as it takes.
+    let unbounded = (&mut *conn)
+        .execute("SET lock_timeout = 0")
+        .await
+        .map_err(Error::db("take turns with sqlx migrators"));
+    let outcome = match unbounded.and(conn.lock().await.map_err(app_error)) {
         Ok(()) => {
             // The application's migrations run on this session as sqlx runs them.
             let outcome = match (&mut *conn).execute(&*bound_lock_waits("SESSION")).await {
@@ -225,7 +236,10 @@ async fn combined(pool: &PgPool, app: &Migrator, plans: Plans<'_>) -> Result<(),
             // lock: its wait for sqlx's lock is a statement that holds a snapshot, which another
             // migrator's CREATE INDEX CONCURRENTLY would wait for while holding that lock.
             match outcome.and(unlocked) {
-                Ok(()) => app.run(&mut *conn).await.map_err(app_error),
+                Ok(()) => match (&mut *conn).execute("SET lock_timeout = 0").await {
+                    Ok(_) => app.run_direct(&mut *conn).await.map_err(app_error),
+                    Err(e) => Err(Error::db("take turns with sqlx migrators")(e)),
+                },
                 Err(e) => Err(e),
             }
         }

@@ -234,7 +234,7 @@ pub struct HttpArgs {
     pub body_read_timeout: Duration,
     /// Longest time to answer one request, its body included; past it the client gets 503 with
     /// `Retry-After` (a booking goes on in its own task and is found by the retry). Must exceed
-    /// the gateway timeout.
+    /// the gateway timeout plus the admission wait.
     #[arg(long, env = "HTTP_REQUEST_TIMEOUT", value_parser = parse_duration,
           default_value = "30s")]
     pub request_timeout: Duration,
@@ -307,18 +307,18 @@ pub fn validate_http(http: &HttpArgs, gateway: &GatewayArgs) -> Result<(), Strin
             http.body_read_timeout
         ));
     }
-    if http.request_timeout <= gateway.gateway_timeout {
-        return Err(format!(
-            "--request-timeout ({:?}) must exceed --gateway-timeout ({:?}): a booking waits on \
-             the gateway within its request",
-            http.request_timeout, gateway.gateway_timeout
-        ));
-    }
     if http.admission_wait > MAX_ADMISSION_WAIT {
         return Err(format!(
             "--admission-wait ({:?}) must be at most {MAX_ADMISSION_WAIT:?}: a shed request is \
              told to retry after that long, and a longer wait is a queue",
             http.admission_wait
+        ));
+    }
+    if http.request_timeout <= gateway.gateway_timeout + http.admission_wait {
+        return Err(format!(
+            "--request-timeout ({:?}) must exceed --gateway-timeout ({:?}) plus --admission-wait \
+             ({:?}): a booking may wait for its slot, then on the gateway, within its request",
+            http.request_timeout, gateway.gateway_timeout, http.admission_wait
         ));
     }
     Ok(())
@@ -764,6 +764,14 @@ mod tests {
                     ..Default::default()
                 },
                 "--request-timeout",
+            ),
+            (
+                // Above the gateway's timeout, but not by the wait at the gate.
+                HttpArgs {
+                    request_timeout: gateway.gateway_timeout + Duration::from_millis(100),
+                    ..Default::default()
+                },
+                "plus --admission-wait",
             ),
             (
                 HttpArgs {

@@ -5,9 +5,27 @@
 //!
 //! The others run from their files: `20261129100002` creates a table, `20261130100003` indexes
 //! `users` (one row per rider, not per booking), `20261130100004` and `20261201900001` drop a
-//! constraint, and the later ones keep the rule.
+//! constraint, and the later ones keep the rule (`20261202300001` has a plan all the same: its
+//! concurrent build, when it fails, leaves an index its file cannot build again).
 
 use idempotency::OnlinePlan;
+
+/// A reaper of the running version deletes finished keys while a plan runs. Between the step
+/// that drops the rides' reference to their key and the one that adds it again `NOT VALID`, no
+/// `ON DELETE SET NULL` clears the reference of a reaped key's ride (under the file, that window
+/// is inside one transaction holding the exclusive lock), and validating the new reference would
+/// fail on such a ride for good. Once the reference is back, every delete sets it null again;
+/// these clear what the window left, as the reference would have: the ride keeps everything but
+/// the id of a key that no longer exists. For the reference by user (20261130100002) and by
+/// owner (20261202100001).
+const FORGET_REAPED_KEYS_BY_USER: &str = "UPDATE rides r SET idempotency_key_id = NULL
+     WHERE r.id >= $1 AND r.id < $2 AND r.idempotency_key_id IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM idempotency_keys k
+                       WHERE k.user_id = r.user_id AND k.id = r.idempotency_key_id)";
+const FORGET_REAPED_KEYS_BY_OWNER: &str = "UPDATE rides r SET idempotency_key_id = NULL
+     WHERE r.id >= $1 AND r.id < $2 AND r.idempotency_key_id IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM idempotency_keys k
+                       WHERE k.owner = r.key_owner AND k.id = r.idempotency_key_id)";
 
 /// The plans, in the order of their versions.
 pub(super) fn plans() -> Vec<OnlinePlan> {
@@ -15,7 +33,19 @@ pub(super) fn plans() -> Vec<OnlinePlan> {
         charge_reconciliation(),
         user_in_every_key(),
         key_owner_text(),
+        ride_key_index(),
     ]
+}
+
+/// 20261202300001: the file builds its index `CONCURRENTLY`, as the rule asks, but a build that
+/// fails (a lock wait past the bound, the process killed) leaves an invalid index of that name,
+/// on which the file then fails every time; the plan drops it first.
+fn ride_key_index() -> OnlinePlan {
+    OnlinePlan::new(20261202300001).index_concurrently(
+        "rides_idempotency_key_unique_by_key",
+        true,
+        "rides (idempotency_key_id, user_id)",
+    )
 }
 
 /// 20261130100001: three columns on rides, two filled from `created_at` for the rides booked
@@ -103,6 +133,7 @@ fn user_in_every_key() -> OnlinePlan {
                  FOREIGN KEY (user_id, idempotency_key_id) REFERENCES idempotency_keys (user_id, id)
                  ON DELETE SET NULL (idempotency_key_id) NOT VALID;",
         )
+        .backfill("rides", FORGET_REAPED_KEYS_BY_USER)
         .validate("rides", "rides_idempotency_key_fkey")
         .index_concurrently(
             "ride_receipts_pkey_online",
@@ -193,6 +224,7 @@ fn key_owner_text() -> OnlinePlan {
              WHERE id >= $1 AND id < $2 AND key_owner IS NULL",
         )
         .validate("rides", "rides_key_owner_is_the_user")
+        .backfill("rides", FORGET_REAPED_KEYS_BY_OWNER)
         .validate("rides", "rides_idempotency_key_fkey")
         .set_not_null("rides", "key_owner")
         .transaction(
