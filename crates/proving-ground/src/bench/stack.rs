@@ -183,6 +183,11 @@ impl Process {
         Ok(Self { child, name })
     }
 
+    /// Whether the process has ended.
+    fn exited(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// The process id, for its CPU time.
     pub(crate) fn pid(&self) -> Option<u32> {
         self.child.id()
@@ -209,6 +214,39 @@ impl Process {
     }
 }
 
+/// How often a process is started on new ports when it exits before it answers.
+const LISTEN_ATTEMPTS: usize = 3;
+
+/// Starts a process that listens on `N` ports picked free, and waits until it answers at the URL
+/// that `spawn` returns with it. A port found free can be taken by another socket before the
+/// process binds it (the load's own connections draw their ports from the same ephemeral range),
+/// and the process then exits: it is started again on new ports, at most [`LISTEN_ATTEMPTS`]
+/// times. A process that runs but does not answer is an error at once.
+async fn spawn_listening<const N: usize>(
+    mut spawn: impl FnMut([u16; N]) -> anyhow::Result<(Process, String)>,
+) -> anyhow::Result<(Process, [u16; N])> {
+    let mut attempt = 1;
+    loop {
+        let mut ports = [0; N];
+        for port in &mut ports {
+            *port = free_port()?;
+        }
+        let (mut process, probe) = spawn(ports)?;
+        match wait_until_answering(&probe).await {
+            Ok(()) => return Ok((process, ports)),
+            Err(e) if attempt < LISTEN_ATTEMPTS && process.exited() => {
+                tracing::warn!(
+                    name = process.name,
+                    attempt,
+                    "exited before answering ({e}); starting it on new ports"
+                );
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// One life of the gateway and the service, started together for one measurement.
 pub(crate) struct Stack {
     pub(crate) gateway: Process,
@@ -228,7 +266,6 @@ impl Stack {
         logs: &Path,
     ) -> anyhow::Result<Self> {
         let (gateway, gateway_base) = start_gateway(programs, databases, logs).await?;
-        let port = free_port()?;
         let mut env = vec![
             ("STRIPE_API_BASE", gateway_base),
             ("STRIPE_API_KEY", GATEWAY_SECRET_KEY.to_owned()),
@@ -241,25 +278,25 @@ impl Stack {
             ]),
             None => env.push(("DATABASE_URL", databases.service_url.clone())),
         }
-        let service = Process::spawn(
-            "rocket-rides serve",
-            &programs.service,
-            &[
+        let log = logs.join(if pooled.is_some() {
+            "service-pooled.log"
+        } else {
+            "service.log"
+        });
+        let (service, [port]) = spawn_listening(|[port]| {
+            let args = [
                 "serve".to_owned(),
                 "--listen".to_owned(),
                 format!("127.0.0.1:{port}"),
                 "--metrics-listen".to_owned(),
                 "127.0.0.1:0".to_owned(),
-            ],
-            &env,
-            &logs.join(if pooled.is_some() {
-                "service-pooled.log"
-            } else {
-                "service.log"
-            }),
-        )?;
+            ];
+            let service =
+                Process::spawn("rocket-rides serve", &programs.service, &args, &env, &log)?;
+            Ok((service, format!("http://127.0.0.1:{port}/healthz")))
+        })
+        .await?;
         let base = format!("http://127.0.0.1:{port}");
-        wait_until_answering(&format!("{base}/healthz")).await?;
         Ok(Self {
             gateway,
             service,
@@ -278,20 +315,24 @@ async fn start_gateway(
     databases: &Databases,
     logs: &Path,
 ) -> anyhow::Result<(Process, String)> {
-    let (port, admin_port) = (free_port()?, free_port()?);
-    let gateway = Process::spawn(
-        "fakestripe",
-        &programs.gateway,
-        &[
+    let (gateway, [port, _]) = spawn_listening(|[port, admin_port]| {
+        let args = [
             "--listen".to_owned(),
             format!("127.0.0.1:{port}"),
             "--admin-listen".to_owned(),
             format!("127.0.0.1:{admin_port}"),
-        ],
-        &[("DATABASE_URL", databases.gateway_url.clone())],
-        &logs.join("gateway.log"),
-    )?;
-    wait_until_answering(&format!("http://127.0.0.1:{admin_port}/faults")).await?;
+        ];
+        let env = [("DATABASE_URL", databases.gateway_url.clone())];
+        let gateway = Process::spawn(
+            "fakestripe",
+            &programs.gateway,
+            &args,
+            &env,
+            &logs.join("gateway.log"),
+        )?;
+        Ok((gateway, format!("http://127.0.0.1:{admin_port}/faults")))
+    })
+    .await?;
     Ok((gateway, format!("http://127.0.0.1:{port}")))
 }
 
