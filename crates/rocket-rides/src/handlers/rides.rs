@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use http::{HeaderMap, Uri};
-use idempotency::{Begun, Fingerprint, Lease, NewRequest, Owner};
+use idempotency::{Begun, Error, Fingerprint, Lease, NewRequest, Owner, Store};
 use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
 use serde_json::json;
 use tracing::Instrument;
@@ -78,20 +78,15 @@ pub async fn create(
             let owner = Owner::from(user.id);
             // A replay, a mismatch or a key in flight is answered from one read. A new key is
             // inserted in the transaction that creates its ride.
-            let begun = state
-                .store
-                .begin::<RidePoint>(
-                    NewRequest {
-                        owner: &owner,
-                        method: "POST",
-                        route: RIDES_ROUTE,
-                        key: &key,
-                        fingerprint,
-                        params: &params,
-                    },
-                    RidePoint::RideCreated,
-                )
-                .await?;
+            let request_key = NewRequest {
+                owner: &owner,
+                method: "POST",
+                route: RIDES_ROUTE,
+                key: &key,
+                fingerprint,
+                params: &params,
+            };
+            let begun = begin(&state.store, request_key).await?;
             match begun {
                 Begun::New(first) => {
                     let (lease, target) =
@@ -110,6 +105,21 @@ pub async fn create(
     );
     task.await
         .map_err(|e| ApiError::Internal(format!("booking task failed: {e}")))?
+}
+
+/// Claims the booking's key, inserting a new one at `RideCreated` in the transaction that creates
+/// its ride: read first, so that a replay is one plain read. A build with the `bench` feature
+/// run with `BENCH_CLAIM=insert-first` inserts first instead ([`Store::begin_optimistic`]: the
+/// read only on a conflict, inside the claim's transaction), for the benchmark to compare the two
+/// (docs/performance.md).
+async fn begin(store: &Store, request: NewRequest<'_>) -> Result<Begun<RidePoint>, Error> {
+    #[cfg(feature = "bench")]
+    if super::bench::claim_inserts_first() {
+        return store
+            .begin_optimistic(request, RidePoint::RideCreated)
+            .await;
+    }
+    store.begin(request, RidePoint::RideCreated).await
 }
 
 /// A positive id in its one canonical decimal form: `30`, never `030`, `+30`, `%33%30` or `3e1`.
