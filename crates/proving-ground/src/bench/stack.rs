@@ -183,11 +183,6 @@ impl Process {
         Ok(Self { child, name })
     }
 
-    /// Whether the process has ended.
-    fn exited(&mut self) -> bool {
-        !matches!(self.child.try_wait(), Ok(None))
-    }
-
     /// The process id, for its CPU time.
     pub(crate) fn pid(&self) -> Option<u32> {
         self.child.id()
@@ -225,26 +220,31 @@ const LISTEN_ATTEMPTS: usize = 3;
 async fn spawn_listening<const N: usize>(
     mut spawn: impl FnMut([u16; N]) -> anyhow::Result<(Process, String)>,
 ) -> anyhow::Result<(Process, [u16; N])> {
-    let mut attempt = 1;
-    loop {
+    for attempt in 1..=LISTEN_ATTEMPTS {
         let mut ports = [0; N];
         for port in &mut ports {
             *port = free_port()?;
         }
         let (mut process, probe) = spawn(ports)?;
-        match wait_until_answering(&probe).await {
-            Ok(()) => return Ok((process, ports)),
-            Err(e) if attempt < LISTEN_ATTEMPTS && process.exited() => {
-                tracing::warn!(
-                    name = process.name,
-                    attempt,
-                    "exited before answering ({e}); starting it on new ports"
-                );
-                attempt += 1;
-            }
-            Err(e) => return Err(e),
-        }
+        // Whichever comes first: the answer, or the process's end (no use waiting for an answer
+        // from a process that is gone).
+        let status = tokio::select! {
+            answered = wait_until_answering(&probe) => return answered.map(|()| (process, ports)),
+            status = process.child.wait() => status?,
+        };
+        anyhow::ensure!(
+            attempt < LISTEN_ATTEMPTS,
+            "{} exited before answering ({status}), {attempt} times on new ports (see its log)",
+            process.name
+        );
+        tracing::warn!(
+            name = process.name,
+            attempt,
+            %status,
+            "exited before answering (see its log); starting it on new ports"
+        );
     }
+    unreachable!("the last attempt returns")
 }
 
 /// One life of the gateway and the service, started together for one measurement.
