@@ -15,17 +15,17 @@ trap 'rm -f "$log"' EXIT
 status=0
 cargo test --workspace --locked --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
 # The store's tests again, through a PgBouncer in transaction pooling (scripts/pgbouncer.sh,
-# installed where missing), with the store's Statements::Unnamed (store, expiry, handover); tests/pooler.rs also checks
+# installed where missing), with the store's Statements::Unnamed (store, expiry, handover); tests/integration/pooler.rs also checks
 # that the default statements fail there. Then Rocket Rides through the same PgBouncer with
-# --database-pooler transaction (crates/rocket-rides/tests/pooler.rs, with its control). Bounded:
+# --database-pooler transaction (crates/rocket-rides/tests/integration/pooler.rs, with its control). Bounded:
 # PgBouncer stops when they end.
 if pooler_url=$(scripts/pgbouncer.sh "$DATABASE_URL"); then
     echo "test.sh: the store's tests and Rocket Rides' through $pooler_url" >&2
     IDEMPOTENCY_TEST_POOLER_URL=$pooler_url timeout 600 \
-        cargo test -p idempotency --locked --no-fail-fast --test store --test expiry --test handover --test pooler "$@" 2>&1 |
+        cargo test -p idempotency --locked --no-fail-fast --test integration "$@" -- store:: expiry:: handover:: pooler:: 2>&1 |
         tee -a "$log" || status=$?
     ROCKET_RIDES_TEST_POOLER_URL=$pooler_url timeout 600 \
-        cargo test -p rocket-rides --locked --no-fail-fast --test pooler "$@" 2>&1 |
+        cargo test -p rocket-rides --locked --no-fail-fast --test integration "$@" -- pooler:: 2>&1 |
         tee -a "$log" || status=$?
     scripts/pgbouncer.sh --stop "$pooler_url"
 else

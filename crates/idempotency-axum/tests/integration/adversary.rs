@@ -341,7 +341,7 @@ async fn notify(State(effects): State<Arc<AtomicUsize>>, _claimed: ClaimedKey) -
 /// What happens: process one's renewal waits for the pool past the lease's end, its handler
 /// keeps running, process two takes the key over and runs the handler too: two effects, at
 /// once. The library's `watch_under_lease` does not bound a renewal by the lease left (see the
-/// idempotency crate's `tests/adversary.rs` for the kit alone).
+/// idempotency crate's `tests/integration/adversary.rs` for the kit alone).
 #[sqlx::test(migrations = false)]
 
 async fn a_renewal_stuck_on_an_exhausted_pool_runs_the_handler_twice_at_once(pool: PgPool) {

@@ -12,7 +12,7 @@ use idempotency::{
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-mod pooled;
+use crate::pooled;
 
 const TTL: Duration = Duration::from_secs(30);
 const RETENTION: Duration = Duration::from_secs(24 * 3600);

@@ -11,7 +11,7 @@ use idempotency::{
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-mod pooled;
+use crate::pooled;
 
 async fn store(pool: &PgPool) -> Store {
     idempotency::migrate(pool).await.unwrap();

@@ -11,7 +11,7 @@ use idempotency::{
 use serde_json::json;
 use sqlx::PgPool;
 
-mod support;
+use crate::support;
 
 async fn count(pool: &PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()

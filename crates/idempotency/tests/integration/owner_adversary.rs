@@ -16,7 +16,7 @@ use idempotency::{
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-mod support;
+use crate::support;
 use support::migrator_of;
 
 const TTL: Duration = Duration::from_secs(30);

@@ -15,7 +15,7 @@ use idempotency::{
 use serde_json::json;
 use sqlx::PgPool;
 
-mod pooled;
+use crate::pooled;
 
 const TASKS: usize = 16;
 const REQUESTS_PER_TASK: usize = 40;

@@ -765,7 +765,7 @@ fn es6_number_file_first_hundred_thousand_lines() {
 }
 
 #[test]
-#[ignore = "minutes of CPU: cargo test --release -p idempotency --test rfc8785 -- --ignored"]
+#[ignore = "minutes of CPU: cargo test --release -p idempotency --test integration rfc8785:: -- --ignored"]
 fn es6_number_file_all_hundred_million_lines() {
     let problems = es6_mismatches(100_000_000, canonical_number);
     assert!(problems.is_empty(), "{}", problems.join("\n"));

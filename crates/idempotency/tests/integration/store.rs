@@ -10,7 +10,7 @@ use idempotency::{
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
-mod pooled;
+use crate::pooled;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Point {

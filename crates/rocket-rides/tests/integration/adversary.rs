@@ -7,7 +7,7 @@
 //! broke that contract when it was written, and guards the fix; its failure message says what
 //! the service did instead. A test named `defended_…` is an attack that failed from the start.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

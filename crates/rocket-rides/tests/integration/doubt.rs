@@ -4,7 +4,7 @@
 //! A real Rocket Rides and a real fakestripe on loopback, and where an intermediary speaks, a
 //! real HTTP front between them.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

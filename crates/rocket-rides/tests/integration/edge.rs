@@ -1,7 +1,7 @@
 //! The HTTP edge, black-box over real TCP: timeouts, load shedding, strict input, problems for
 //! every error, one spelling per ride id. Every refused input writes nothing.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! databases, forgetting its keys after a window, storing its 500s under them, answering
 //! `pending`, and refusing for good. A real Rocket Rides and a real fakestripe on loopback.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

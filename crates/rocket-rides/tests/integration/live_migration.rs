@@ -29,7 +29,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 use tokio::sync::Barrier;
 
-mod common;
+use crate::common;
 
 /// Keys, rides and audit records in the database before it is migrated.
 const ROWS: i64 = 200_000;

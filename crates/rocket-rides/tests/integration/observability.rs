@@ -1,7 +1,7 @@
 //! What an operator sees: request ids on every answer and in every log line of a request, and
 //! logs as JSON lines.
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 use std::time::Duration;

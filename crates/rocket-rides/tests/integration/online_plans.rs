@@ -14,7 +14,7 @@ use std::collections::BTreeSet;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
-mod common;
+use crate::common;
 
 /// Keys, rides and audit records at the oldest schema: more than two backfill batches.
 const ROWS: i64 = 2 * idempotency::BACKFILL_BATCH + 1_000;

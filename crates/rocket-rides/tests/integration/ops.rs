@@ -6,7 +6,7 @@
 //! installs it, and CI runs that script before the tests). Without it the scrape test is
 //! skipped with a message, except in CI (`CI=true`), where it fails.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -251,7 +251,7 @@ async fn rocket_rides_migrate_on_a_new_database_twice_and_concurrently(pool: PgP
     );
 }
 
-mod common;
+use crate::common;
 
 /// `rider()` parses a key's owner leniently (`"07"` and `"+7"` are user 7). A key the service did
 /// not write, owned by such a look-alike of a user, abandoned on POST /rides past the grace: the

@@ -10,7 +10,7 @@
 //! statements through the same pooler fails, so the pooler really lends server connections per
 //! transaction. When no PgBouncer can be started the tests say so and pass, unless `CI=true`.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::str::FromStr;

@@ -1,7 +1,7 @@
 //! `POST /rides` end to end: a real Rocket Rides and a real fakestripe on loopback, over a fresh
 //! PostgreSQL database per test.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -9,7 +9,7 @@
 //! thread, so that the commit watch installed for the test (a thread's default subscriber) sees
 //! every poll of the service's commits.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -3,7 +3,7 @@
 
 use sqlx::PgPool;
 
-mod common;
+use crate::common;
 
 /// The last version of each side before the change: the crate's migration that turned the owner
 /// into text, and the service's that released the ride's reference for it.

@@ -1,7 +1,7 @@
 //! The background work against a real PostgreSQL and a real fakestripe: completer, reaper,
 //! outbox drain, lease heartbeat, graceful shutdown.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

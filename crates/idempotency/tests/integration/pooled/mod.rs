@@ -18,7 +18,7 @@ pub(crate) const POOLER_URL: &str = "IDEMPOTENCY_TEST_POOLER_URL";
 
 /// The pool and the statements the store of a test over `pool`'s database uses: through the
 /// pooler with [`Statements::Unnamed`] when [`POOLER_URL`] is set, else `pool` itself.
-#[allow(dead_code)] // tests/pooler.rs makes its pools itself
+#[allow(dead_code)] // tests/integration/pooler.rs makes its pools itself
 pub(crate) fn store_pool(pool: &PgPool) -> (PgPool, Statements) {
     match pooler_pool(pool) {
         Some(pooled) => (pooled, Statements::Unnamed),
@@ -27,7 +27,7 @@ pub(crate) fn store_pool(pool: &PgPool) -> (PgPool, Statements) {
 }
 
 /// A store over `pool`'s database as [`store_pool`] tells.
-#[allow(dead_code)] // tests/pooler.rs makes its stores itself
+#[allow(dead_code)] // tests/integration/pooler.rs makes its stores itself
 pub(crate) fn store(pool: &PgPool, clock: Arc<dyn Clock>, ttl: Duration) -> Store {
     let (pool, statements) = store_pool(pool);
     Store::new(pool, clock, ttl)
