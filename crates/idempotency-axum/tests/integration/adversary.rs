@@ -173,7 +173,7 @@ async fn transactional_bank(
 /// Mutation that fails it: an owned final phase that fences without `FOR UPDATE` (the retry
 /// takes the key over and deposits a second time), or a layer that renews nothing *and* does
 /// not hold the row.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_retry_after_the_lease_of_a_slow_transactional_handler_is_in_flight_then_replays(
     pool: PgPool,
 ) {
@@ -209,7 +209,7 @@ async fn a_retry_after_the_lease_of_a_slow_transactional_handler_is_in_flight_th
 /// Mutation that fails it: a layer that delivers the handler's answer when storing it failed,
 /// or a finish that commits what it can (there is nothing it can: PostgreSQL turns the COMMIT
 /// of an aborted transaction into a ROLLBACK, which sqlx reports as success unless checked).
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_that_answers_201_over_an_aborted_transaction_gets_500_and_keeps_nothing(
     pool: PgPool,
 ) {
@@ -244,7 +244,7 @@ async fn a_handler_that_answers_201_over_an_aborted_transaction_gets_500_and_kee
 /// retry deposits once and replays.
 ///
 /// Mutation that fails it: a layer that delivers the handler's answer when its commit failed.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_backend_killed_mid_handler_keeps_nothing_and_the_retry_deposits_once(pool: PgPool) {
     let (app, bank) = transactional_bank(&pool, Arc::new(DatabaseClock), &[Step::ShowPid]).await;
     let (pid_tx, pid_rx) = oneshot::channel();
@@ -291,7 +291,7 @@ async fn a_backend_killed_mid_handler_keeps_nothing_and_the_retry_deposits_once(
 /// Mutation that fails it: running the claimed work in the connection's future instead of a
 /// task of its own (the drop would cancel the handler mid-transaction, and a retry would run
 /// it again; or leave the key locked until the lease ends).
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_client_that_hangs_up_mid_handler_finds_its_deposit_made_once(pool: PgPool) {
     let (app, bank) = transactional_bank(&pool, Arc::new(DatabaseClock), &[Step::Wait]).await;
     let hung_up = tokio::time::timeout(
@@ -342,7 +342,7 @@ async fn notify(State(effects): State<Arc<AtomicUsize>>, _claimed: ClaimedKey) -
 /// keeps running, process two takes the key over and runs the handler too: two effects, at
 /// once. The library's `watch_under_lease` does not bound a renewal by the lease left (see the
 /// idempotency crate's `tests/integration/adversary.rs` for the kit alone).
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 
 async fn a_renewal_stuck_on_an_exhausted_pool_runs_the_handler_twice_at_once(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();

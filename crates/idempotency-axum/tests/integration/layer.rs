@@ -102,7 +102,7 @@ async fn keys(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_replay_repeats_the_stored_answer_without_calling_the_handler(pool: PgPool) {
     let (app, orders) = app(pool).await;
     let (status, headers, body) = send(&app, Some("k1"), Some("1"), r#"{"item": "tea"}"#).await;
@@ -121,7 +121,7 @@ async fn a_replay_repeats_the_stored_answer_without_calling_the_handler(pool: Pg
     assert_eq!(orders.calls.load(Ordering::SeqCst), 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn another_body_under_the_key_is_422_and_the_handler_is_not_called(pool: PgPool) {
     let (app, orders) = app(pool).await;
     send(&app, Some("k1"), Some("1"), r#"{"item": "tea"}"#).await;
@@ -132,7 +132,7 @@ async fn another_body_under_the_key_is_422_and_the_handler_is_not_called(pool: P
     assert_eq!(orders.calls.load(Ordering::SeqCst), 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_5xx_answer_is_not_stored_and_the_retry_calls_the_handler_again(pool: PgPool) {
     let (app, orders) = app(pool).await;
     orders.failing.store(true, Ordering::SeqCst);
@@ -146,7 +146,7 @@ async fn a_5xx_answer_is_not_stored_and_the_retry_calls_the_handler_again(pool: 
     assert_eq!(orders.calls.load(Ordering::SeqCst), 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn concurrent_requests_with_one_key_call_the_handler_once(pool: PgPool) {
     let (app, orders) = app(pool).await;
     let barrier = Arc::new(tokio::sync::Barrier::new(16));
@@ -172,7 +172,7 @@ async fn concurrent_requests_with_one_key_call_the_handler_once(pool: PgPool) {
     assert_eq!(orders.calls.load(Ordering::SeqCst), 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn refusals_before_the_claim_write_nothing_and_call_nothing(pool: PgPool) {
     let (app, orders) = app(pool.clone()).await;
     let (missing, _, _) = send(&app, None, Some("1"), r#"{"item": "tea"}"#).await;
@@ -188,7 +188,7 @@ async fn refusals_before_the_claim_write_nothing_and_call_nothing(pool: PgPool) 
     assert_eq!(orders.calls.load(Ordering::SeqCst), 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn keys_of_different_users_do_not_meet(pool: PgPool) {
     let (app, orders) = app(pool).await;
     let (a, _, _) = send(&app, Some("k1"), Some("1"), r#"{"item": "tea"}"#).await;
@@ -239,7 +239,7 @@ fn counting() -> (
     (calls, handler)
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn the_concrete_path_and_query_are_part_of_the_scope(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let (calls, handler) = counting();
@@ -276,7 +276,7 @@ async fn the_concrete_path_and_query_are_part_of_the_scope(pool: PgPool) {
     assert!(replayed);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_client_that_hangs_up_does_not_cancel_the_claimed_work(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let gate = Arc::new(tokio::sync::Notify::new());
@@ -326,7 +326,7 @@ async fn a_client_that_hangs_up_does_not_cancel_the_claimed_work(pool: PgPool) {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_that_panics_releases_the_key_and_answers_500(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let panicking = Arc::new(AtomicBool::new(true));
@@ -363,7 +363,7 @@ async fn a_handler_that_panics_releases_the_key_and_answers_500(pool: PgPool) {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn an_answer_too_large_to_store_is_delivered_whole_and_its_key_released(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
@@ -426,7 +426,7 @@ impl http_body::Body for Failing {
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_body_that_cannot_be_read_is_400_and_claims_nothing(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let (calls, handler) = counting();
@@ -442,7 +442,7 @@ async fn a_body_that_cannot_be_read_is_400_and_claims_nothing(pool: PgPool) {
     assert_eq!(calls.load(Ordering::SeqCst), 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_json_body_with_a_nul_is_kept_by_its_bytes_and_replays(pool: PgPool) {
     let (app, orders) = app(pool).await;
     let body = r#"{"item": "t\u0000a"}"#;
@@ -528,7 +528,7 @@ async fn locked_until(pool: &PgPool) -> Option<sqlx::types::time::OffsetDateTime
         .unwrap()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_slower_than_the_lease_keeps_its_key_and_runs_once(pool: PgPool) {
     use idempotency::Clock;
     idempotency::migrate(&pool).await.unwrap();
@@ -568,7 +568,7 @@ async fn a_handler_slower_than_the_lease_keeps_its_key_and_runs_once(pool: PgPoo
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_whose_lease_is_taken_over_is_stopped_and_answers_409(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let clock = idempotency::ManualClock::starting_now();
@@ -607,7 +607,7 @@ async fn a_handler_whose_lease_is_taken_over_is_stopped_and_answers_409(pool: Pg
     assert_eq!(finished, 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_raw_body_equal_to_the_hex_of_another_is_refused_not_replayed(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let (calls, handler) = counting();
@@ -635,7 +635,7 @@ fn hex_of(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_raw_body_stored_under_the_old_fingerprint_still_replays(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let (calls, handler) = counting();
@@ -734,17 +734,17 @@ async fn a_validation_refusal_forgets_the_key(pool: PgPool, refusal: StatusCode)
     assert_eq!(refused.load(Ordering::SeqCst), 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_400_forgets_the_key_and_a_corrected_body_then_runs_and_is_stored(pool: PgPool) {
     a_validation_refusal_forgets_the_key(pool, StatusCode::BAD_REQUEST).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_422_forgets_the_key_and_a_corrected_body_then_runs_and_is_stored(pool: PgPool) {
     a_validation_refusal_forgets_the_key(pool, StatusCode::UNPROCESSABLE_ENTITY).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_predicate_that_stores_a_503_replays_it(pool: PgPool) {
     let (app, orders) = app_with(pool, |layer| {
         layer.with_disposition(|answer| match answer.status {
@@ -765,7 +765,7 @@ async fn a_predicate_that_stores_a_503_replays_it(pool: PgPool) {
     assert_eq!(orders.calls.load(Ordering::SeqCst), 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_409_releases_the_key_and_the_retry_runs_the_handler_again(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
@@ -802,7 +802,7 @@ async fn a_handler_409_releases_the_key_and_the_retry_runs_the_handler_again(poo
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_refusal_whose_key_is_referenced_releases_it_with_its_payload(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     sqlx::query("CREATE TABLE audit (key_id BIGINT NOT NULL REFERENCES idempotency_keys (id))")
@@ -865,7 +865,7 @@ async fn create_transfer() -> Response {
         .into_response()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn configured_headers_are_stored_and_replayed_and_the_others_are_not(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let layer = layer_for(&pool)
@@ -923,7 +923,7 @@ struct Seen {
     attempt: i32,
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn the_handler_sees_its_claimed_key_and_its_uuid_survives_a_retry(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let seen = Arc::new(std::sync::Mutex::new(Vec::<Seen>::new()));

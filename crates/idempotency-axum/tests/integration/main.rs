@@ -5,3 +5,9 @@ mod adversary;
 mod http;
 mod layer;
 mod transactional;
+
+/// The template of the tests that begin by migrating (`#[testdb::test(template = …)]`): the
+/// store's migrations, run once per test binary instead of once per test.
+async fn migrated(pool: sqlx::PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+}

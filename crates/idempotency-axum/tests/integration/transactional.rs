@@ -196,7 +196,7 @@ async fn released(pool: &PgPool) -> i64 {
     .await
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_deposit_that_panics_after_its_write_is_undone_and_the_retry_deposits_once(pool: PgPool) {
     let (app, bank) = bank(&pool).await;
     bank.then(&[Then::Panic]);
@@ -219,7 +219,7 @@ async fn a_deposit_that_panics_after_its_write_is_undone_and_the_retry_deposits_
     assert_eq!(bank.runs.load(Ordering::SeqCst), 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn without_the_transactional_mode_a_panic_after_the_write_deposits_twice(pool: PgPool) {
     schema(&pool).await;
     let bank = Bank::new(&pool);
@@ -240,7 +240,7 @@ async fn without_the_transactional_mode_a_panic_after_the_write_deposits_twice(p
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_503_after_the_write_undoes_it_and_releases_the_key(pool: PgPool) {
     let (app, bank) = bank(&pool).await;
     bank.then(&[Then::Answer(StatusCode::SERVICE_UNAVAILABLE)]);
@@ -259,7 +259,7 @@ async fn a_503_after_the_write_undoes_it_and_releases_the_key(pool: PgPool) {
     assert_eq!(bank.runs.load(Ordering::SeqCst), 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_400_after_the_write_undoes_it_and_forgets_the_key(pool: PgPool) {
     let (app, bank) = bank(&pool).await;
     bank.then(&[Then::Answer(StatusCode::BAD_REQUEST)]);
@@ -276,7 +276,7 @@ async fn a_400_after_the_write_undoes_it_and_forgets_the_key(pool: PgPool) {
     assert_eq!(deposits(&pool).await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn concurrent_duplicates_in_the_transactional_mode_deposit_once(pool: PgPool) {
     let (app, _) = bank(&pool).await;
     let barrier = Arc::new(tokio::sync::Barrier::new(16));
@@ -303,7 +303,7 @@ async fn concurrent_duplicates_in_the_transactional_mode_deposit_once(pool: PgPo
     assert_eq!(deposits(&pool).await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_key_transaction_without_the_transactional_mode_is_a_500_problem(pool: PgPool) {
     schema(&pool).await;
     let wants_tx = |_: KeyTransaction| async { StatusCode::CREATED };
@@ -321,7 +321,7 @@ async fn a_key_transaction_without_the_transactional_mode_is_a_500_problem(pool:
     assert_eq!(released(&pool).await, 1, "the layer's key was released");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_commit_that_fails_answers_500_and_keeps_nothing(pool: PgPool) {
     let clock = ManualClock::starting_now();
     let (app, _) = bank_with(&pool, Arc::new(clock.clone())).await;
@@ -367,7 +367,7 @@ async fn a_commit_that_fails_answers_500_and_keeps_nothing(pool: PgPool) {
     assert_eq!(deposits(&pool).await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_that_keeps_its_transaction_past_its_return_is_rolled_back_with_500(
     pool: PgPool,
 ) {
@@ -387,7 +387,7 @@ async fn a_handler_that_keeps_its_transaction_past_its_return_is_rolled_back_wit
     assert_eq!(deposits(&pool).await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_whose_task_still_writes_after_its_return_answers_500_and_commits_nothing(
     pool: PgPool,
 ) {
@@ -411,7 +411,7 @@ async fn a_handler_whose_task_still_writes_after_its_return_answers_500_and_comm
     bank.gate.notify_one();
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_handler_that_asks_for_its_connection_twice_is_refused_instead_of_hanging(pool: PgPool) {
     let (app, bank) = bank(&pool).await;
     bank.then(&[Then::AskTwice]);

@@ -80,7 +80,7 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
 /// 30 s, the default TTL 30 s and heartbeat 10 s, so with the defaults up to 10 s past the
 /// lease), the watched task keeps running, and the first call makes its effect after the
 /// takeover: two holders' calls overlap.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 
 async fn a_renewal_stuck_on_an_exhausted_pool_lets_the_call_outlive_its_lease(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
@@ -163,7 +163,7 @@ async fn a_renewal_stuck_on_an_exhausted_pool_lets_the_call_outlive_its_lease(po
 ///
 /// Mutation that fails it: retrying a failed renewal for ever (`Err(e) if true => warn`), or
 /// giving up only on `LeaseLost`.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn renewals_that_fail_fast_stop_the_call_before_the_lease_ends(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     const TTL: Duration = Duration::from_secs(2);
@@ -218,7 +218,7 @@ async fn renewals_that_fail_fast_stop_the_call_before_the_lease_ends(pool: PgPoo
 ///
 /// Mutation that fails it: a fence that does not compare `lease_token` (the final phase's
 /// `SELECT … FOR UPDATE` without `lease_token = $3`).
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_call_finishing_as_its_lease_is_lost_leaves_the_stale_holder_unable_to_write(
     pool: PgPool,
 ) {
@@ -312,7 +312,7 @@ async fn abandoned_keys(store: &Store, n: usize) {
 ///
 /// Mutation that fails it: the completer's claim without `FOR UPDATE SKIP LOCKED` and without
 /// the re-check of `locked_until` in its `UPDATE` (two completers then take the same key).
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn two_completers_at_once_run_each_abandoned_key_once(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let store = Store::new(
@@ -393,7 +393,7 @@ async fn two_completers_at_once_run_each_abandoned_key_once(pool: PgPool) {
 /// Mutation that fails it: a completer that marks the key finished (or deletes it from
 /// `idempotency_keys_unfinished`) on the closure's word; one that leaves a panicked key locked
 /// until its lease runs out and retries it at once.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_lying_or_panicking_closure_leaves_its_key_to_the_next_pass(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     const TTL: Duration = Duration::from_secs(5);
@@ -476,7 +476,7 @@ async fn a_lying_or_panicking_closure_leaves_its_key_to_the_next_pass(pool: PgPo
 ///
 /// Mutation that fails it: a completer claim that ignores `next_attempt_at`, or a request's
 /// claim that honours it.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_client_retry_during_the_completers_backoff_wins_and_the_completer_stays_away(
     pool: PgPool,
 ) {
@@ -570,7 +570,7 @@ async fn finished(store: &Store, name: &str, body: &Value, answer_body: &str) ->
 /// two never disagree, so a late retry's fate does not depend on when the reaper ran.
 ///
 /// Mutation that fails it: `<=` in one of the two age tests but not the other.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_key_exactly_at_the_retention_boundary_is_kept_by_both_claim_and_reaper(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let clock = whole_second_clock();
@@ -616,7 +616,7 @@ async fn a_key_exactly_at_the_retention_boundary_is_kept_by_both_claim_and_reape
 ///
 /// Mutation that fails it: a reaper whose delete does not re-check `finished_at` (it would
 /// delete a new, unfinished key), or an expiry delete not fenced on `finished_at`.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_claim_of_an_expired_key_racing_the_reaper_and_another_claim_runs_once(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let clock = whole_second_clock();
@@ -675,7 +675,7 @@ async fn a_claim_of_an_expired_key_racing_the_reaper_and_another_claim_runs_once
 /// behind deletes nothing that has not expired.
 ///
 /// Mutation that fails it: a reaper delete without `finished_at IS NOT NULL`.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_reaper_with_its_clock_far_ahead_never_deletes_an_unfinished_key(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let clock = whole_second_clock();
@@ -727,7 +727,7 @@ async fn a_reaper_with_its_clock_far_ahead_never_deletes_an_unfinished_key(pool:
 ///
 /// Mutation that fails it: a final phase that fences without locking the row (`SELECT 1 …`
 /// without `FOR UPDATE`): B would take the key over and both would write.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_takeover_waits_for_an_owned_final_phase_past_its_lease_and_replays_it(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     sqlx::query("CREATE TABLE effects (key_id BIGINT NOT NULL)")
@@ -784,7 +784,7 @@ async fn a_takeover_waits_for_an_owned_final_phase_past_its_lease_and_replays_it
 ///
 /// Mutation that fails it: the delete of `abandon_or_release`, or the fence of the final phase,
 /// not compared with the token.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_stale_holder_can_neither_forget_nor_finish_the_new_holders_key(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     const TTL: Duration = Duration::from_secs(3);
@@ -848,7 +848,7 @@ async fn a_stale_holder_can_neither_forget_nor_finish_the_new_holders_key(pool: 
 ///
 /// Mutation that fails it: a fallback that deletes the referencing rows, or that releases
 /// without keeping the fingerprint.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_referenced_key_that_cannot_be_forgotten_keeps_its_payload(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     sqlx::query("CREATE TABLE notes (key_id BIGINT NOT NULL REFERENCES idempotency_keys (id))")

@@ -101,7 +101,7 @@ async fn rows_of(pool: &PgPool, owner: i64, name: &str) -> i64 {
     .unwrap()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_key_finished_past_the_retention_is_a_new_request_with_a_new_row(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -153,7 +153,7 @@ async fn a_key_finished_past_the_retention_is_a_new_request_with_a_new_row(pool:
     assert_eq!(stored.body, b"second");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn another_payload_after_expiry_is_a_new_request_not_a_mismatch(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let k = key("k1");
@@ -195,7 +195,7 @@ async fn another_payload_after_expiry_is_a_new_request_not_a_mismatch(pool: PgPo
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn an_unfinished_key_never_expires_at_read(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -230,7 +230,7 @@ async fn an_unfinished_key_never_expires_at_read(pool: PgPool) {
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn without_a_retention_a_finished_key_replays_for_good(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let clock = clock();
@@ -277,7 +277,7 @@ async fn the_retention_is_between_an_hour_and_ten_years(pool: PgPool) {
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn begin_and_begin_optimistic_answer_an_expired_key_as_new(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let body = json!({"a": 1});
@@ -333,7 +333,7 @@ async fn begin_and_begin_optimistic_answer_an_expired_key_as_new(pool: PgPool) {
     assert_eq!(store.count_unfinished().await.unwrap(), 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_dropped_first_phase_of_an_expired_key_brings_the_old_row_back(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -373,7 +373,7 @@ async fn a_dropped_first_phase_of_an_expired_key_brings_the_old_row_back(pool: P
 /// The boundary and the reaper: keys finished an hour apart, the clock then set so that one is
 /// exactly as old as the retention. User 1's keys are reaped, user 2's (finished at the same
 /// times) are claimed: the reaper deletes exactly the keys that the claims answer as new.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_reaper_pass_with_the_store_retention_deletes_exactly_what_claims_expire(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let body = json!({"a": 1});
@@ -432,7 +432,7 @@ async fn a_reaper_pass_with_the_store_retention_deletes_exactly_what_claims_expi
 
 /// Nine claimers of one expired key at once, by `claim`, `begin` and `begin_optimistic` in turn,
 /// five rounds: each round exactly one gets the new row and the others find it in flight.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn concurrent_claims_of_an_expired_key_replace_it_exactly_once(pool: PgPool) {
     const CLAIMERS: usize = 9;
     let (store, clock) = setup(&pool).await;
@@ -497,7 +497,7 @@ async fn a_statement_waits_on_a_lock(pool: &PgPool) {
     panic!("no statement came to wait on the lock");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_claim_during_an_expiry_in_progress_waits_and_then_finds_the_new_key(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -568,7 +568,7 @@ async fn a_claim_during_an_expiry_in_progress_waits_and_then_finds_the_new_key(p
 /// A key the reaper may not delete (a row references it under RESTRICT) is kept and named, and
 /// the others of its owner's batch are reaped all the same: the pass does not fail, and the
 /// next pass is not stuck behind it.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn the_reaper_keeps_a_key_referenced_under_restrict_and_reaps_the_rest(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     sqlx::query(
@@ -603,7 +603,7 @@ async fn the_reaper_keeps_a_key_referenced_under_restrict_and_reaps_the_rest(poo
     assert_eq!(store.reap_finished(RETENTION, 100).await.unwrap(), 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn an_expired_key_still_referenced_under_restrict_is_refused_and_kept(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     sqlx::query(
@@ -694,7 +694,7 @@ async fn an_expired_key_still_referenced_under_restrict_is_refused_and_kept(pool
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn an_expired_key_referenced_under_set_null_expires_and_its_rows_stay(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     sqlx::query(

@@ -61,7 +61,7 @@ async fn deposits(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn an_owned_final_phase_commits_its_writes_with_the_answer_from_another_task(pool: PgPool) {
     let store = store(&pool).await;
     let lease = acquire(&store, "deposit").await;
@@ -90,7 +90,7 @@ async fn an_owned_final_phase_commits_its_writes_with_the_answer_from_another_ta
     assert!(matches!(claim(&store, "deposit").await, Claim::Replay(r) if r == answer));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_rolled_back_final_phase_leaves_no_write_and_its_lease_can_be_released(pool: PgPool) {
     let store = store(&pool).await;
     let lease = acquire(&store, "undone").await;
@@ -109,7 +109,7 @@ async fn a_rolled_back_final_phase_leaves_no_write_and_its_lease_can_be_released
     assert!(matches!(claim(&store, "undone").await, Claim::Acquired(_)));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_dropped_final_phase_rolls_back_as_a_crash_would(pool: PgPool) {
     let store = store(&pool).await;
     let lease = acquire(&store, "crashed").await;
@@ -130,7 +130,7 @@ async fn a_dropped_final_phase_rolls_back_as_a_crash_would(pool: PgPool) {
     ));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn an_owned_final_phase_of_a_lost_lease_gives_the_lease_back(pool: PgPool) {
     let store = store(&pool).await;
     let lease = acquire(&store, "lost").await;
@@ -147,7 +147,7 @@ async fn an_owned_final_phase_of_a_lost_lease_gives_the_lease_back(pool: PgPool)
     ));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn abandon_or_release_deletes_a_free_key_and_releases_a_referenced_one(pool: PgPool) {
     let store = store(&pool).await;
     let lease = acquire(&store, "free").await;

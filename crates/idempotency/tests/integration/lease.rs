@@ -35,7 +35,7 @@ async fn acquire(store: &Store, key: &IdempotencyKey, body: &Value) -> Lease<One
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_call_slower_than_the_lease_keeps_it_to_the_end(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let store = Store::new(pool, Arc::new(DatabaseClock), TTL)
@@ -67,7 +67,7 @@ async fn a_call_slower_than_the_lease_keeps_it_to_the_end(pool: PgPool) {
     store.release(lease).await.unwrap();
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_takeover_during_the_call_stops_it_at_the_next_beat(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let clock = ManualClock::starting_now();
@@ -110,7 +110,7 @@ async fn a_takeover_during_the_call_stops_it_at_the_next_beat(pool: PgPool) {
     ));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_holder_that_stood_still_past_its_lease_does_not_start_the_call(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let clock = ManualClock::starting_now();
@@ -138,7 +138,7 @@ async fn a_holder_that_stood_still_past_its_lease_does_not_start_the_call(pool: 
     assert!(!started.load(Ordering::SeqCst), "the call was started");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_watched_call_stays_the_callers_when_the_lease_is_lost(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let clock = ManualClock::starting_now();

@@ -70,7 +70,7 @@ async fn acquire(store: &Store, key: &str) -> Lease<OneStep> {
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn every_write_under_a_lease_and_every_lost_renewal_is_logged_first(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let heard = Heard::default();

@@ -14,3 +14,9 @@ mod pooler;
 mod rfc8785;
 mod store;
 mod support;
+
+/// The template of the tests that begin by migrating (`#[testdb::test(template = …)]`): the
+/// crate's migrations, run once per test binary instead of once per test.
+async fn migrated(pool: sqlx::PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+}

@@ -52,7 +52,7 @@ impl Observer for Heard {
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn every_claim_and_committed_phase_is_heard(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
     let heard = Arc::new(Heard::default());

@@ -128,7 +128,7 @@ async fn setup(pool: &PgPool, statements: Statements) -> Option<Store> {
     Some(store)
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn unnamed_statements_run_every_request_once_through_a_transaction_pooler(pool: PgPool) {
     let Some(store) = setup(&pool, Statements::Unnamed).await else {
         return;
@@ -149,7 +149,7 @@ async fn unnamed_statements_run_every_request_once_through_a_transaction_pooler(
 }
 
 /// The control: the default statements fail through the same pooler.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn prepared_statements_fail_through_a_transaction_pooler(pool: PgPool) {
     let Some(store) = setup(&pool, Statements::Prepared).await else {
         return;

@@ -84,7 +84,7 @@ fn acquired(claim: Claim<Point>) -> idempotency::Lease<Point> {
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn first_claim_inserts_with_token_one_at_started(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -100,7 +100,7 @@ async fn first_claim_inserts_with_token_one_at_started(pool: PgPool) {
     assert_eq!(lease.params(), &body);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_held_lease_refuses_a_second_claim_with_the_time_left(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -122,7 +122,7 @@ async fn a_held_lease_refuses_a_second_claim_with_the_time_left(pool: PgPool) {
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn an_expired_lease_is_taken_over_with_a_new_token(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -144,7 +144,7 @@ async fn an_expired_lease_is_taken_over_with_a_new_token(pool: PgPool) {
     assert_eq!(second.attempts(), 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_released_lease_is_claimable_at_once_and_keeps_its_recovery_point(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -172,7 +172,7 @@ async fn a_released_lease_is_claimable_at_once_and_keeps_its_recovery_point(pool
     assert_eq!(again.token(), 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn an_abandoned_key_is_gone_and_only_its_holder_can_abandon_it(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -205,7 +205,7 @@ async fn an_abandoned_key_is_gone_and_only_its_holder_can_abandon_it(pool: PgPoo
     assert_eq!(fresh.token(), 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn another_payload_under_the_same_key_is_a_mismatch(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let k = key("k1");
@@ -229,7 +229,7 @@ async fn another_payload_under_the_same_key_is_a_mismatch(pool: PgPool) {
     ));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_finished_key_replays_its_stored_response_exactly(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -268,7 +268,7 @@ async fn a_finished_key_replays_its_stored_response_exactly(pool: PgPool) {
     assert!(record.finished_at.is_some());
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_stale_holder_is_fenced_out_and_its_phase_writes_nothing(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -304,7 +304,7 @@ async fn a_stale_holder_is_fenced_out_and_its_phase_writes_nothing(pool: PgPool)
     assert_eq!(effects(&pool).await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_phase_that_is_not_committed_leaves_neither_rows_nor_progress(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -330,7 +330,7 @@ async fn a_phase_that_is_not_committed_leaves_neither_rows_nor_progress(pool: Pg
     assert_eq!(record.recovery_point, "started");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_claim_during_an_open_phase_is_in_flight_at_once_and_then_sees_the_extended_lease(
     pool: PgPool,
 ) {
@@ -368,7 +368,7 @@ async fn a_claim_during_an_open_phase_is_in_flight_at_once_and_then_sees_the_ext
     assert_eq!(lease.recovery_point(), Point::Halfway);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn concurrent_claims_of_one_key_acquire_exactly_once(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let barrier = Arc::new(tokio::sync::Barrier::new(16));
@@ -395,7 +395,7 @@ async fn concurrent_claims_of_one_key_acquire_exactly_once(pool: PgPool) {
     assert_eq!(acquired, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn keys_are_scoped_by_owner_and_route(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("shared"), json!({"a": 1}));
@@ -430,7 +430,7 @@ async fn keys_are_scoped_by_owner_and_route(pool: PgPool) {
     assert_eq!((e.owner(), f.owner()), (&lower, &upper));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn renewing_extends_a_held_lease_and_fails_for_a_stale_one(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -466,7 +466,7 @@ async fn renewing_extends_a_held_lease_and_fails_for_a_stale_one(pool: PgPool) {
     ));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn concurrent_claims_of_an_expired_lease_take_it_over_exactly_once(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("same"), json!({"a": 1}));
@@ -500,7 +500,7 @@ async fn concurrent_claims_of_an_expired_lease_take_it_over_exactly_once(pool: P
     assert_eq!(tokens, [2], "one takeover, with the next token");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn the_completer_claims_only_its_route_and_only_after_the_grace(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let body = json!({"a": 1});
@@ -540,7 +540,7 @@ async fn the_completer_claims_only_its_route_and_only_after_the_grace(pool: PgPo
     assert_eq!(record.idempotency_key, "mine");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_key_at_an_unknown_recovery_point_does_not_stop_the_others(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let body = json!({"a": 1});
@@ -568,7 +568,7 @@ async fn a_key_at_an_unknown_recovery_point_does_not_stop_the_others(pool: PgPoo
     assert!(matches!(bad[0], Err(Error::UnknownRecoveryPoint { .. })));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_phase_cannot_skip_to_finished_or_back_to_started(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let mut lease = acquired(
@@ -619,7 +619,7 @@ fn existing(begun: Begun<Point>) -> Claim<Point> {
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn refused_claims_neither_write_nor_lock_the_row(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -685,7 +685,7 @@ async fn refused_claims_neither_write_nor_lock_the_row(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn begin_inserts_a_new_key_at_the_first_point_with_the_phase_rows(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -750,7 +750,7 @@ async fn begin_inserts_a_new_key_at_the_first_point_with_the_phase_rows(pool: Pg
     ));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_first_phase_dropped_uncommitted_leaves_no_key(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -781,7 +781,7 @@ async fn a_first_phase_dropped_uncommitted_leaves_no_key(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_key_taken_over_resumes_from_its_point_instead_of_starting_again(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -808,7 +808,7 @@ async fn a_key_taken_over_resumes_from_its_point_instead_of_starting_again(pool:
     assert_eq!(resumed.recovery_point(), Point::Halfway);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn concurrent_begins_of_one_new_key_insert_it_once(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let barrier = Arc::new(tokio::sync::Barrier::new(16));
@@ -848,7 +848,7 @@ async fn concurrent_begins_of_one_new_key_insert_it_once(pool: PgPool) {
     assert_eq!(effects(&pool).await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn begin_optimistic_runs_a_request_in_one_transaction(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -916,7 +916,7 @@ async fn impatient_store(pool: &PgPool) -> Store {
     Store::new(impatient_pool, Arc::new(idempotency::DatabaseClock), TTL).unwrap()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_key_being_inserted_is_in_flight_once_the_lock_timeout_runs_out(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let impatient = impatient_store(&pool).await;
@@ -948,7 +948,7 @@ async fn a_key_being_inserted_is_in_flight_once_the_lock_timeout_runs_out(pool: 
     ));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_finished_key_whose_row_is_being_written_still_replays_after_the_lock_timeout(
     pool: PgPool,
 ) {
@@ -992,7 +992,7 @@ async fn a_finished_key_whose_row_is_being_written_still_replays_after_the_lock_
     writer.rollback().await.unwrap();
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn begin_refuses_finished_as_the_first_point(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -1025,7 +1025,7 @@ const UPDATED_COLUMNS: [&str; 11] = [
     "finished_at",
 ];
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn no_index_covers_a_column_that_updates_set(pool: PgPool) {
     setup(&pool).await;
     // Every column an index uses, as a key, in an expression or in its predicate.
@@ -1053,7 +1053,7 @@ async fn no_index_covers_a_column_that_updates_set(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn key_row_updates_are_hot_without_vacuum(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let body_text = "x".repeat(600);
@@ -1105,7 +1105,7 @@ async fn key_row_updates_are_hot_without_vacuum(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_holder_knows_by_its_own_clock_when_its_lease_may_be_gone(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));
@@ -1168,7 +1168,7 @@ async fn a_statement_waits_on_a_lock(pool: &PgPool) {
     panic!("no statement came to wait on the lock");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::migrated)]
 async fn a_claim_whose_answer_is_held_past_the_lease_knows_the_lease_is_gone(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
     let (k, body) = (key("k1"), json!({"a": 1}));

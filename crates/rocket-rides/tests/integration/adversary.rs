@@ -119,7 +119,7 @@ async fn assert_one_key_one_effect(app: &TestApp, user_id: i64, what: &str) {
 // and `booking::charge` stores a refusal at once when the call was the key's first (`fresh`).
 // ---------------------------------------------------------------------------------------------
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn fixed_an_intermediary_json_error_after_the_charge_is_stored_as_a_502_refusal(
     pool: PgPool,
 ) {
@@ -155,7 +155,7 @@ async fn fixed_an_intermediary_json_error_after_the_charge_is_stored_as_a_502_re
     assert_one_key_one_effect(&app, user_id, "after the intermediary's JSON page").await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn fixed_an_intermediary_json_error_on_a_new_generation_after_its_charge_is_stored_as_a_502(
     pool: PgPool,
 ) {
@@ -204,7 +204,7 @@ async fn fixed_an_intermediary_json_error_on_a_new_generation_after_its_charge_i
     assert_one_key_one_effect(&app, user_id, "after generation 2's intermediary page").await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn defended_an_intermediary_json_error_on_a_resumed_call_is_reconciled_and_adopted(
     pool: PgPool,
 ) {
@@ -245,7 +245,7 @@ async fn defended_an_intermediary_json_error_on_a_resumed_call_is_reconciled_and
 // (The same holds for calls an old process makes during a rolling deploy.)
 // ---------------------------------------------------------------------------------------------
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn fixed_a_call_the_previous_version_has_in_flight_is_not_waited_for_past_the_window(
     pool: PgPool,
 ) {
@@ -307,7 +307,7 @@ async fn fixed_a_call_the_previous_version_has_in_flight_is_not_waited_for_past_
 // Attacks that failed: kept as regression tests.
 // ---------------------------------------------------------------------------------------------
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn defended_a_deleted_customer_after_an_attempt_that_never_reached_the_gateway_finishes_with_a_502(
     pool: PgPool,
 ) {
@@ -340,7 +340,7 @@ async fn defended_a_deleted_customer_after_an_attempt_that_never_reached_the_gat
     assert_eq!(replay.body, third.body);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn defended_a_deleted_customer_after_a_charged_attempt_gets_its_charge(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -361,7 +361,7 @@ async fn defended_a_deleted_customer_after_a_charged_attempt_gets_its_charge(poo
     assert_one_key_one_effect(&app, user_id, "deleted customer after a charge").await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn defended_a_stored_500_after_an_attempt_of_unknown_outcome_adopts_the_charge(pool: PgPool) {
     let (app, user_id, api_key) = common::fronted_app(pool).await;
     // Attempt 1: the front answers a bodyless 504 without forwarding.
@@ -392,7 +392,7 @@ async fn defended_a_stored_500_after_an_attempt_of_unknown_outcome_adopts_the_ch
     assert_one_key_one_effect(&app, user_id, "stored 500 after unknown").await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn defended_an_idempotency_error_over_a_pending_charge_adopts_it_and_settles_it(
     pool: PgPool,
 ) {
@@ -435,7 +435,7 @@ async fn defended_an_idempotency_error_over_a_pending_charge_adopts_it_and_settl
     assert_one_key_one_effect(&app, user_id, "pending under an idempotency error").await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn defended_the_completer_waits_out_an_unconfirmed_key_and_then_finishes_it(pool: PgPool) {
     let (app, user_id, api_key) = common::fronted_app(pool).await;
     app.front()
@@ -473,7 +473,7 @@ async fn defended_the_completer_waits_out_an_unconfirmed_key_and_then_finishes_i
     assert!(late.replayed());
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn defended_many_keys_through_intermediaries_drops_and_conflicts_charge_once_each(
     pool: PgPool,
 ) {
@@ -525,7 +525,7 @@ async fn defended_many_keys_through_intermediaries_drops_and_conflicts_charge_on
     assert_eq!(orphans, 0, "every charge belongs to a ride");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn defended_intermediary_pages_of_every_status_after_the_charge_are_unknown_outcomes(
     pool: PgPool,
 ) {

@@ -23,7 +23,7 @@ const NOT_FOUND_PAGE: &str = "<html><body><h1>404 Not Found</h1></body></html>";
 const IDEMPOTENCY_ERROR: &str = r#"{"error":{"type":"idempotency_error","message":"Keys for idempotent requests can only be used with the same parameters they were first used with."}}"#;
 const NO_SUCH_CUSTOMER: &str = r#"{"error":{"type":"invalid_request_error","code":"resource_missing","param":"customer","message":"No such customer"}}"#;
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_adopted(
     pool: PgPool,
 ) {
@@ -93,7 +93,7 @@ async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_a
     assert_eq!(fourth.json()["charge_id"].as_str(), charge_id.as_deref());
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_bodyless_504_after_the_charge_then_a_404_page_are_unknown_outcomes_never_a_refusal(
     pool: PgPool,
 ) {
@@ -130,7 +130,7 @@ async fn a_bodyless_504_after_the_charge_then_a_404_page_are_unknown_outcomes_ne
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_404_page_for_a_first_attempt_that_charged_is_never_stored_as_a_refusal(pool: PgPool) {
     let (app, user_id, api_key) = common::fronted_app(pool).await;
     app.front()
@@ -148,7 +148,7 @@ async fn a_404_page_for_a_first_attempt_that_charged_is_never_stored_as_a_refusa
     assert_eq!(app.charges().await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn an_idempotency_error_after_a_charged_then_dropped_attempt_adopts_the_charge(pool: PgPool) {
     let (app, user_id, api_key) = common::fronted_app(pool).await;
     // The gateway charges and the connection drops its answer.
@@ -185,7 +185,7 @@ async fn an_idempotency_error_after_a_charged_then_dropped_attempt_adopts_the_ch
     assert_eq!(common::ride_state(&app, user_id).await.0, "paid");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn an_idempotency_error_with_no_charge_is_stored_as_a_502_once_the_list_shows_none(
     pool: PgPool,
 ) {
@@ -216,7 +216,7 @@ async fn an_idempotency_error_with_no_charge_is_stored_as_a_502_once_the_list_sh
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_refusal_after_an_attempt_of_unknown_outcome_reconciles_and_finds_the_charge(
     pool: PgPool,
 ) {
@@ -242,7 +242,7 @@ async fn a_refusal_after_an_attempt_of_unknown_outcome_reconciles_and_finds_the_
     assert_eq!(common::ride_state(&app, user_id).await.0, "paid");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_reconciling_list_is_bounded_by_the_first_attempt_and_the_last_call(pool: PgPool) {
     let (app, _, api_key) = common::fronted_app(pool).await;
     // The first attempt fails before charging; the resumed one, hours later, is answered with
@@ -349,7 +349,7 @@ async fn first_phase_done(
         .unwrap()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_holder_whose_lease_ran_out_before_its_first_call_never_calls(pool: PgPool) {
     use rocket_rides::booking::{self, BookingError};
     let (app, user_id, _) = common::fronted_app(pool).await;
@@ -380,7 +380,7 @@ async fn a_holder_whose_lease_ran_out_before_its_first_call_never_calls(pool: Pg
     assert_eq!(charge_calls, 0, "the stale holder never called the gateway");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_gateway_that_will_not_list_a_deleted_customer_is_reconciled_over_the_account(
     pool: PgPool,
 ) {
@@ -421,7 +421,7 @@ async fn a_gateway_that_will_not_list_a_deleted_customer_is_reconciled_over_the_
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_ride_left_by_an_earlier_version_waits_from_first_sight_before_it_is_reconciled(
     pool: PgPool,
 ) {
@@ -485,7 +485,7 @@ async fn a_ride_left_by_an_earlier_version_waits_from_first_sight_before_it_is_r
     assert_eq!(common::ride_state(&app, user_id).await.2, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_first_call_after_the_holder_stood_still_is_recorded_before_it_leaves(pool: PgPool) {
     use rocket_rides::booking;
     let (app, user_id, _) = common::fronted_app(pool).await;

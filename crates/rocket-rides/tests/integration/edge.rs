@@ -53,7 +53,7 @@ async fn nothing_written(app: &TestApp) {
     assert_eq!(app.charges().await, 0, "no charge");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_client_that_sends_half_its_headers_is_cut_off(pool: PgPool) {
     let app = TestApp::start_with_edge(pool, short_timeouts()).await;
     let mut stream = TcpStream::connect(address(&app)).await.unwrap();
@@ -68,7 +68,7 @@ async fn a_client_that_sends_half_its_headers_is_cut_off(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn an_idle_keep_alive_connection_is_closed(pool: PgPool) {
     let app = TestApp::start_with_edge(pool, short_timeouts()).await;
     let mut stream = TcpStream::connect(address(&app)).await.unwrap();
@@ -86,7 +86,7 @@ async fn an_idle_keep_alive_connection_is_closed(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_body_that_never_arrives_is_a_400_and_writes_nothing(pool: PgPool) {
     let app = TestApp::start_with_edge(pool, short_timeouts()).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -105,7 +105,7 @@ async fn a_body_that_never_arrives_is_a_400_and_writes_nothing(pool: PgPool) {
     nothing_written(&app).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_request_past_its_deadline_is_a_503_with_retry_after(pool: PgPool) {
     let http = HttpArgs {
         request_timeout: Duration::from_millis(500),
@@ -136,7 +136,7 @@ async fn a_request_past_its_deadline_is_a_503_with_retry_after(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn requests_past_the_bound_in_flight_are_shed_at_once(pool: PgPool) {
     let http = HttpArgs {
         http_max_in_flight: 1,
@@ -196,7 +196,7 @@ async fn key_rows(app: &TestApp, key: &str) -> i64 {
     .await
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_nothing(pool: PgPool) {
     const ADMITTED: usize = 2;
     const SHED: usize = 4;
@@ -282,7 +282,7 @@ async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_not
     assert_eq!(app.keys().await, total);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn connections_past_the_bound_get_a_503_problem_at_once(pool: PgPool) {
     let http = HttpArgs {
         http_max_connections: 1,
@@ -312,7 +312,7 @@ async fn connections_past_the_bound_get_a_503_problem_at_once(pool: PgPool) {
     drop(first);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_bearer_scheme_is_case_insensitive_and_two_authorizations_are_refused(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     for scheme in ["bearer", "BEARER"] {
@@ -368,7 +368,7 @@ type Case = (
     &'static str,
 );
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn bodies_are_read_strictly_and_refused_ones_write_nothing(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let json = [("content-type", "application/json")];
@@ -460,7 +460,7 @@ async fn bodies_are_read_strictly_and_refused_ones_write_nothing(pool: PgPool) {
     assert_eq!(fine.status, 201, "{fine:?}");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_ride_id_has_one_spelling(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let ride = app
@@ -486,7 +486,7 @@ async fn a_ride_id_has_one_spelling(pool: PgPool) {
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn unknown_routes_and_methods_are_problems(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let missing = app.get(&api_key, "/nowhere").await;
@@ -504,7 +504,7 @@ async fn unknown_routes_and_methods_are_problems(pool: PgPool) {
     assert_eq!(reply.header("allow"), Some("POST"));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn made_up_methods_add_no_series_to_the_metrics(pool: PgPool) {
     let (app, _, _) = app_with_user(pool).await;
     for method in ["FOOBAR", "BAZ", "QUUX"] {
@@ -549,7 +549,7 @@ async fn documented_paths(app: &common::TestApp, base: &str) -> serde_json::Valu
     doc["paths"].clone()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn metrics_stay_off_the_public_listener_unless_asked_for_there(pool: PgPool) {
     let (app, _, _) = app_with_user(pool).await;
     let status = |url: String| {
@@ -576,7 +576,7 @@ async fn metrics_stay_off_the_public_listener_unless_asked_for_there(pool: PgPoo
         .is_some());
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_409_asks_for_a_retry_within_two_seconds(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     app.state
@@ -595,7 +595,7 @@ async fn a_409_asks_for_a_retry_within_two_seconds(pool: PgPool) {
     assert!((1..=2).contains(&after), "Retry-After {after}");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn shutdown_waits_for_a_booking_whose_client_hung_up(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     app.gateway.hold_charges();

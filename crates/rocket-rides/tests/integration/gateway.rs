@@ -42,7 +42,7 @@ async fn charged_then_crashed(app: &TestApp, api_key: &str) {
     assert_eq!(app.charges().await, 1, "the gateway charged");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn every_charge_names_its_request_and_ride_in_its_metadata(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     let reply = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
@@ -61,7 +61,7 @@ async fn every_charge_names_its_request_and_ride_in_its_metadata(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn two_databases_on_one_gateway_account_never_share_a_gateway_key(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     // A second database (staging beside production, a reset development database) whose
@@ -140,7 +140,7 @@ async fn two_databases_on_one_gateway_account_never_share_a_gateway_key(pool: Pg
         .unwrap();
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_charge_resumed_one_second_inside_the_window_asks_the_gateway_under_the_same_key(
     pool: PgPool,
 ) {
@@ -159,7 +159,7 @@ async fn a_charge_resumed_one_second_inside_the_window_asks_the_gateway_under_th
     assert_eq!(ride(&app, user_id).await.2, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_charge_resumed_one_second_past_the_window_is_found_by_listing_not_made_again(
     pool: PgPool,
 ) {
@@ -189,7 +189,7 @@ async fn a_charge_resumed_one_second_past_the_window_is_found_by_listing_not_mad
     assert!(adopted, "the audit record says the charge was adopted");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn past_the_window_with_no_charge_a_new_generation_charges_exactly_once(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     app.state.failpoints.arm(failpoints::AFTER_RIDE_CREATED);
@@ -208,7 +208,7 @@ async fn past_the_window_with_no_charge_a_new_generation_charges_exactly_once(po
     assert_eq!(ride(&app, user_id).await.2, 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_crash_after_the_list_and_before_the_new_generations_charge_resumes_under_it(
     pool: PgPool,
 ) {
@@ -257,7 +257,7 @@ async fn a_crash_after_the_list_and_before_the_new_generations_charge_resumes_un
     assert_eq!(ride(&app, user_id).await.2, 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_crash_after_adopting_replays_the_adopted_charge(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     charged_then_crashed(&app, &api_key).await;
@@ -285,7 +285,7 @@ async fn a_crash_after_adopting_replays_the_adopted_charge(pool: PgPool) {
     assert_eq!(replayed.json()["charge_id"], charge_id.as_str());
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_sticky_500_without_a_charge_is_reconciled_and_charged_once_under_a_new_generation(
     pool: PgPool,
 ) {
@@ -313,7 +313,7 @@ async fn a_sticky_500_without_a_charge_is_reconciled_and_charged_once_under_a_ne
     assert_eq!(ride(&app, user_id).await.2, 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_sticky_500_after_the_charge_is_reconciled_by_adopting_that_charge(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     app.set_faults(Faults {
@@ -338,7 +338,7 @@ async fn a_sticky_500_after_the_charge_is_reconciled_by_adopting_that_charge(poo
     assert_eq!(ride(&app, user_id).await.2, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_sticky_500_followed_by_a_crash_still_ends_with_one_charge(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     app.set_faults(Faults {
@@ -370,7 +370,7 @@ async fn a_sticky_500_followed_by_a_crash_still_ends_with_one_charge(pool: PgPoo
     assert_eq!(common::charges_of_request(&app, &request).await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_reconciling_list_that_spans_two_pages_finds_the_charge(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     charged_then_crashed(&app, &api_key).await;
@@ -404,7 +404,7 @@ async fn a_reconciling_list_that_spans_two_pages_finds_the_charge(pool: PgPool) 
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_permanent_refusal_finishes_the_request_with_a_stored_502_and_no_charge(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     let customer = common::customer(&app, user_id).await;
@@ -462,7 +462,7 @@ async fn a_permanent_refusal_finishes_the_request_with_a_stored_502_and_no_charg
     assert_eq!(lines[0]["idempotency_key"], "k-1");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_gateway_that_refuses_our_credentials_is_a_503_never_a_final_answer(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     // The same database served with a secret key the gateway refuses (401).
@@ -509,7 +509,7 @@ async fn a_gateway_that_refuses_our_credentials_is_a_503_never_a_final_answer(po
     assert_eq!(fixed.status, 201, "{fixed:?}");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_pending_charge_is_not_paid_until_the_gateway_says_so(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     app.set_faults(Faults {
@@ -535,7 +535,7 @@ async fn a_pending_charge_is_not_paid_until_the_gateway_says_so(pool: PgPool) {
     assert_eq!(app.charges().await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_pending_charge_that_fails_is_a_stored_decline(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     app.set_faults(Faults {
@@ -560,7 +560,7 @@ async fn a_pending_charge_that_fails_is_a_stored_decline(pool: PgPool) {
     assert_eq!((status.as_str(), charge_id), ("declined", None));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn over_https_a_gateway_signed_by_the_configured_ca_is_trusted(pool: PgPool) {
     let pki = TestPki::new("trusted");
     let gateway = GatewayArgs {
@@ -579,7 +579,7 @@ async fn over_https_a_gateway_signed_by_the_configured_ca_is_trusted(pool: PgPoo
     assert_eq!(app.charges().await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn over_https_an_untrusted_certificate_is_a_clear_error_and_never_a_charge(pool: PgPool) {
     let pki = TestPki::new("untrusted");
     let gateway = GatewayArgs {

@@ -11,7 +11,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn every_answer_carries_a_request_id_taken_from_the_request_or_generated(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let ask = |id: Option<String>| {
@@ -78,7 +78,7 @@ async fn serve_with(
     (serve, lines, address, logged)
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn json_logs_are_one_object_per_line_and_every_line_of_a_request_names_it(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -128,7 +128,7 @@ async fn json_logs_are_one_object_per_line_and_every_line_of_a_request_names_it(
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn serve_starts_without_its_database_and_is_ready_once_the_database_answers(pool: PgPool) {
     let app = TestApp::start(pool).await;
     // A port that refuses connections now, and forwards to the database later: the database
@@ -185,7 +185,7 @@ async fn serve_starts_without_its_database_and_is_ready_once_the_database_answer
     serve.start_kill().unwrap();
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn serve_answers_metrics_on_its_loopback_metrics_listener_and_not_on_the_api(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let database = common::url_of(&app.pool).await;

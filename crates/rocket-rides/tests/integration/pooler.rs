@@ -348,7 +348,7 @@ async fn users(app: &TestApp) -> Vec<(i64, String)> {
     users
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_transaction_setting_books_every_ride_once_through_a_transaction_pooler(pool: PgPool) {
     let Some(pooler) = pooler() else { return };
     let service = through(&pooler.url, &pool);
@@ -397,7 +397,7 @@ async fn the_transaction_setting_books_every_ride_once_through_a_transaction_poo
 }
 
 /// The control: the session statements (the default) through the same pooler fail.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn session_statements_fail_through_a_transaction_pooler(pool: PgPool) {
     let Some(pooler) = pooler() else { return };
     let service = through(&pooler.url, &pool);
@@ -427,7 +427,7 @@ async fn session_statements_fail_through_a_transaction_pooler(pool: PgPool) {
 
 /// The same load straight to PostgreSQL with the default statements: the baseline of the
 /// figures above, held to the same contract.
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_same_load_books_every_ride_once_direct(pool: PgPool) {
     let app = Arc::new(TestApp::start(pool).await);
     let users = users(&app).await;

@@ -39,7 +39,7 @@ async fn assert_one_paid_ride(app: &TestApp) {
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_new_key_books_a_ride_and_charges_once(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let reply = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
@@ -63,7 +63,7 @@ async fn a_new_key_books_a_ride_and_charges_once(pool: PgPool) {
     assert_eq!(audit, 2);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn replay_returns_stored_status_headers_and_body_byte_for_byte(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
@@ -76,7 +76,7 @@ async fn replay_returns_stored_status_headers_and_body_byte_for_byte(pool: PgPoo
     assert_one_paid_ride(&app).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn same_json_with_other_key_order_and_whitespace_replays(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
@@ -93,7 +93,7 @@ async fn same_json_with_other_key_order_and_whitespace_replays(pool: PgPool) {
     assert_eq!(again.body, first.body);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn another_amount_under_the_same_key_is_refused_with_422_and_changes_nothing(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
@@ -106,7 +106,7 @@ async fn another_amount_under_the_same_key_is_refused_with_422_and_changes_nothi
     assert_eq!(app.keys().await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_same_key_from_two_users_books_two_rides_and_each_sees_only_their_own(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, alice) = app.user("alice@example.com", "tok_visa").await;
@@ -130,7 +130,7 @@ async fn the_same_key_from_two_users_books_two_rides_and_each_sees_only_their_ow
     assert_eq!(app.get(&alice, "/rides/not-a-number").await.status, 404);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_missing_or_malformed_key_is_400_and_writes_nothing(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let missing = app.post_ride(Some(&api_key), None, RIDE).await;
@@ -146,7 +146,7 @@ async fn a_missing_or_malformed_key_is_400_and_writes_nothing(pool: PgPool) {
     assert_eq!(app.rides().await, 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn bad_json_or_out_of_range_fields_are_400_naming_the_field_and_write_no_key(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let not_json = app
@@ -193,7 +193,7 @@ async fn bad_json_or_out_of_range_fields_are_400_naming_the_field_and_write_no_k
     );
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_missing_or_unknown_api_key_is_401(pool: PgPool) {
     let (app, _, _) = app_with_user(pool).await;
     let none = app.post_ride(None, Some("k-1"), RIDE).await;
@@ -204,7 +204,7 @@ async fn a_missing_or_unknown_api_key_is_401(pool: PgPool) {
     assert_eq!(app.keys().await, 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn sixteen_concurrent_requests_with_one_key_make_one_ride_and_one_charge(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let app = Arc::new(app);
@@ -264,17 +264,17 @@ async fn crash_then_resume(pool: PgPool, point: &'static str, expected: &str) {
     assert_eq!(replay.body, resumed.body);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_request_that_died_after_creating_the_ride_is_resumed_by_a_retry(pool: PgPool) {
     crash_then_resume(pool, failpoints::AFTER_RIDE_CREATED, "ride_created").await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_request_that_died_after_the_gateway_charged_gets_that_charge_on_retry(pool: PgPool) {
     crash_then_resume(pool, failpoints::AFTER_GATEWAY_CHARGE, "ride_created").await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_key_an_earlier_version_left_at_charge_created_finishes_with_its_charge(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     app.state.failpoints.arm(failpoints::AFTER_GATEWAY_CHARGE);
@@ -295,7 +295,7 @@ async fn a_key_an_earlier_version_left_at_charge_created_finishes_with_its_charg
     assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_request_that_died_after_finishing_is_replayed_without_waiting(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     app.state.failpoints.arm(failpoints::AFTER_FINISHED);
@@ -309,7 +309,7 @@ async fn a_request_that_died_after_finishing_is_replayed_without_waiting(pool: P
     assert_one_paid_ride(&app).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     // A claims and stalls (a long GC pause, a partitioned host) until its lease expires.
@@ -338,7 +338,7 @@ async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: Pg
     assert_one_paid_ride(&app).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_declined_card_is_a_stored_402_that_replays(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, api_key) = app
@@ -387,7 +387,7 @@ async fn transient_then_success(pool: PgPool, faults: Faults) {
     assert_one_paid_ride(&app).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_gateway_error_before_charging_is_a_503_and_the_retry_charges_once(pool: PgPool) {
     transient_then_success(
         pool,
@@ -399,7 +399,7 @@ async fn a_gateway_error_before_charging_is_a_503_and_the_retry_charges_once(poo
     .await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn charged_then_500_is_a_503_and_the_retry_gets_the_same_charge(pool: PgPool) {
     transient_then_success(
         pool,
@@ -411,7 +411,7 @@ async fn charged_then_500_is_a_503_and_the_retry_gets_the_same_charge(pool: PgPo
     .await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn charged_then_dropped_connection_is_a_503_and_the_retry_gets_the_same_charge(pool: PgPool) {
     transient_then_success(
         pool,
@@ -423,7 +423,7 @@ async fn charged_then_dropped_connection_is_a_503_and_the_retry_gets_the_same_ch
     .await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_gateway_409_in_flight_is_a_503_and_the_retry_charges_once(pool: PgPool) {
     transient_then_success(
         pool,
@@ -435,7 +435,7 @@ async fn a_gateway_409_in_flight_is_a_503_and_the_retry_charges_once(pool: PgPoo
     .await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn an_unreachable_gateway_is_a_503_and_the_retry_charges_once(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     // A second service whose gateway address refuses connections (nothing listens there).
@@ -484,7 +484,7 @@ async fn an_unreachable_gateway_is_a_503_and_the_retry_charges_once(pool: PgPool
     assert_one_paid_ride(&app).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_database_itself_refuses_a_second_ride_per_key_a_charge_on_two_rides_and_another_owner(
     pool: PgPool,
 ) {
@@ -518,7 +518,7 @@ async fn the_database_itself_refuses_a_second_ride_per_key_a_charge_on_two_rides
     assert_eq!(app.rides().await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_gateway_that_times_out_after_charging_is_a_503_and_the_retry_gets_that_charge(
     pool: PgPool,
 ) {
@@ -544,7 +544,7 @@ async fn a_gateway_that_times_out_after_charging_is_a_503_and_the_retry_gets_tha
     assert_one_paid_ride(&app).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn metrics_count_claims_charges_and_answers_by_route_template(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
@@ -584,7 +584,7 @@ async fn metrics_count_claims_charges_and_answers_by_route_template(pool: PgPool
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_openapi_document_describes_the_routes_the_server_has(pool: PgPool) {
     let (app, _, _) = app_with_user(pool).await;
     let doc = app.get("unused", "/openapi.json").await.json();
@@ -618,7 +618,7 @@ async fn the_openapi_document_describes_the_routes_the_server_has(pool: PgPool) 
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn an_oversized_body_is_a_413_problem_and_writes_no_key(pool: PgPool) {
     let (app, _, api_key) = app_with_user(pool).await;
     let padding = " ".repeat(rocket_rides::config::MAX_BODY_BYTES);
@@ -630,7 +630,7 @@ async fn an_oversized_body_is_a_413_problem_and_writes_no_key(pool: PgPool) {
     assert_eq!(app.keys().await, 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_client_that_hangs_up_mid_request_does_not_leave_its_key_locked(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     app.gateway.hold_charges();
@@ -658,7 +658,7 @@ async fn a_client_that_hangs_up_mid_request_does_not_leave_its_key_locked(pool: 
     assert_one_paid_ride(&app).await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_key_older_than_the_retention_books_anew_whatever_the_reaper_did(pool: PgPool) {
     let (mut app, _, api_key) = app_with_user(pool).await;
     // The API with its --key-retention, as `serve` runs it.
@@ -691,7 +691,7 @@ async fn a_key_older_than_the_retention_books_anew_whatever_the_reaper_did(pool:
     assert_eq!(again.body, anew.body);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_rotated_api_key_is_refused_once_its_cached_look_up_expires(pool: PgPool) {
     use rocket_rides::auth::cache::DEFAULT_API_KEY_CACHE_TTL;
 
@@ -741,7 +741,7 @@ async fn a_rotated_api_key_is_refused_once_its_cached_look_up_expires(pool: PgPo
     assert_eq!((per_user(alice).await, per_user(bob).await), (4, 2));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn users_rotate_key_prints_a_new_key_and_refuses_an_unknown_email(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (alice, old_key) = app.user("alice@example.com", "tok_visa").await;

@@ -57,7 +57,7 @@ async fn unfinished(app: &TestApp) -> i64 {
         .await
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_completer_finishes_keys_abandoned_at_each_recovery_point(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -111,7 +111,7 @@ async fn the_completer_finishes_keys_abandoned_at_each_recovery_point(pool: PgPo
     assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 3);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn two_completers_at_once_never_work_the_same_key(pool: PgPool) {
     let app = Arc::new(TestApp::start(pool).await);
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -145,7 +145,7 @@ async fn two_completers_at_once_never_work_the_same_key(pool: PgPool) {
     assert_eq!((app.rides().await, app.charges().await), (8, 8));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_completer_skips_keys_another_completer_is_claiming_instead_of_waiting(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -182,7 +182,7 @@ async fn a_completer_skips_keys_another_completer_is_claiming_instead_of_waiting
     assert_eq!((app.rides().await, app.charges().await), (8, 8));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_completer_leaves_live_leases_and_young_keys_alone(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -211,7 +211,7 @@ async fn the_completer_leaves_live_leases_and_young_keys_alone(pool: PgPool) {
     assert_eq!((report.claimed, report.finished), (1, 1));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_key_whose_gateway_keeps_failing_is_retried_with_backoff_and_stays_unfinished(
     pool: PgPool,
 ) {
@@ -272,7 +272,7 @@ async fn a_key_whose_gateway_keeps_failing_is_retried_with_backoff_and_stays_unf
     assert_eq!((app.rides().await, app.charges().await), (1, 1));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_reaper_deletes_only_finished_keys_past_retention_and_keeps_the_rides(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -344,7 +344,7 @@ async fn every_reference_to_the_key_table_leads_an_index_for_the_reaper(pool: Pg
     assert!(unindexed.is_empty(), "no index leads with {unindexed:?}");
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_drain_that_fails_between_effect_and_delete_loses_no_receipt_and_makes_no_second(
     pool: PgPool,
 ) {
@@ -391,7 +391,7 @@ async fn a_drain_that_fails_between_effect_and_delete_loses_no_receipt_and_makes
     assert_eq!(app.count("SELECT count(*) FROM staged_jobs").await, 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_job_delivered_twice_makes_one_receipt(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -412,7 +412,7 @@ async fn a_job_delivered_twice_makes_one_receipt(pool: PgPool) {
     assert_eq!(app.count("SELECT count(*) FROM ride_receipts").await, 1);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn two_drains_at_once_deliver_every_receipt_exactly_once(pool: PgPool) {
     let app = Arc::new(TestApp::start(pool).await);
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -452,7 +452,7 @@ async fn app_with_heartbeat(pool: PgPool) -> TestApp {
     TestApp::start_with_lease(pool, GatewayArgs::default(), lease).await
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_heartbeat_keeps_the_lease_of_a_slow_gateway_call(pool: PgPool) {
     let app = Arc::new(app_with_heartbeat(pool).await);
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -493,7 +493,7 @@ async fn the_heartbeat_keeps_the_lease_of_a_slow_gateway_call(pool: PgPool) {
     assert_eq!((app.rides().await, app.charges().await), (1, 1));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_holder_whose_lease_was_taken_over_stops_and_writes_nothing(pool: PgPool) {
     let app = Arc::new(app_with_heartbeat(pool).await);
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -542,7 +542,7 @@ async fn a_holder_whose_lease_was_taken_over_stops_and_writes_nothing(pool: PgPo
     app.gateway.release_charges();
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_resumable(
     pool: PgPool,
 ) {
@@ -625,7 +625,7 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
     assert_eq!((app.rides().await, app.charges().await), (1, 1));
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_worker_counts_what_its_loops_did_on_its_metrics_endpoint(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
@@ -668,7 +668,7 @@ async fn the_worker_counts_what_its_loops_did_on_its_metrics_endpoint(pool: PgPo
     }
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn the_completer_finishes_a_key_the_gateway_refuses_for_good_instead_of_retrying_forever(
     pool: PgPool,
 ) {
@@ -716,7 +716,7 @@ async fn the_completer_finishes_a_key_the_gateway_refuses_for_good_instead_of_re
     assert_eq!(app.charges().await, 0);
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::common::migrated)]
 async fn a_job_that_cannot_run_is_moved_aside_and_the_others_are_delivered(pool: PgPool) {
     let app = TestApp::start(pool).await;
     let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;

@@ -145,6 +145,18 @@ pub async fn url_of(pool: &PgPool) -> String {
     url.to_string()
 }
 
+/// The template of the tests that start a [`TestApp`] (`#[testdb::test(template = …)]`): what
+/// its start migrates (the service's database and the gateway's schema in it), done once per test
+/// binary instead of once per test.
+pub async fn migrated(pool: PgPool) {
+    rocket_rides::db::migrate(&pool).await.unwrap();
+    fakestripe::connect(&url_of(&pool).await)
+        .await
+        .unwrap()
+        .close()
+        .await;
+}
+
 impl TestApp {
     /// Starts both servers over the test's fresh database.
     pub async fn start(pool: PgPool) -> Self {
