@@ -8,7 +8,8 @@
 #
 # What it does:
 #   1. DATABASE_URL from scripts/postgres.sh; a fresh database `rocket_rides_api_fuzz`.
-#   2. cargo build --locked the rocket-rides and fakestripe binaries; starts fakestripe and
+#   2. cargo build --locked --workspace --bins (the rocket-rides and fakestripe binaries among
+#      them); starts fakestripe and
 #      `rocket-rides serve` on free loopback ports, migrates, and creates a user for the
 #      `Authorization` header; all stopped again when this script exits.
 #   3. A venv in target/api-fuzz-venv with schemathesis==$SCHEMATHESIS_VERSION from PyPI.
@@ -40,8 +41,10 @@ SERVER_URL=$(scripts/postgres.sh) || die "scripts/postgres.sh found no PostgreSQ
 DATABASE_URL=$(database_url "$SERVER_URL" "$DB_NAME" fresh)
 export DATABASE_URL
 
-log "cargo build --locked -p rocket-rides -p fakestripe --bin rocket-rides --bin fakestripe"
-cargo build --locked -p rocket-rides -p fakestripe --bin rocket-rides --bin fakestripe
+# The workspace's debug build, as every script builds it (CI builds once): its rocket-rides has
+# the failpoints, inert with none of their variables set.
+log "cargo build --locked --workspace --bins"
+cargo build --locked --workspace --bins
 BIN=$TARGET_DIR/debug
 
 read -r GATEWAY_PORT ADMIN_PORT API_PORT < <(free_ports 3) || die "found no free ports"

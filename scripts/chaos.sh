@@ -39,6 +39,7 @@ done
 # installed server binaries, whichever server DATABASE_URL names.
 DATABASE_URL=$(scripts/postgres.sh --server-binaries)
 export DATABASE_URL
-cargo build --locked -p rocket-rides -p proving-ground --features rocket-rides/failpoints \
-    --bin rocket-rides --bin chaos
+# The workspace's debug build (its features, so that CI's one build serves every script): the
+# harness's own dependency on the service turns the failpoints on.
+cargo build --locked --workspace --bins --features rocket-rides/failpoints
 exec target/debug/chaos "$@"

@@ -8,7 +8,7 @@
 # What it does:
 #   1. DATABASE_URL from scripts/postgres.sh; a database `fakestripe_sdk_check` on that server
 #      (created if missing; old data is fine, the checks make their own objects).
-#   2. cargo build --locked --bin fakestripe; start it on 127.0.0.1 (12121/12122, or free
+#   2. cargo build --locked --workspace --bins; start fakestripe on 127.0.0.1 (12121/12122, or free
 #      ports) in the background, stopped again when this script exits.
 #   3. A venv in target/stripe-sdk-venv with stripe==$STRIPE_VERSION from PyPI (reused later).
 #   4. The Python checks against http://127.0.0.1:<port>; their last line is
@@ -43,8 +43,9 @@ export DATABASE_URL
 
 # ------------------------------------------------------------------ fakestripe
 
-log "cargo build --locked --bin fakestripe (waits if another build holds the lock)"
-cargo build --locked --bin fakestripe
+# The workspace's debug build, as every script builds it (CI builds once).
+log "cargo build --locked --workspace --bins (waits if another build holds the lock)"
+cargo build --locked --workspace --bins
 BIN=$TARGET_DIR/debug/fakestripe
 [[ -x $BIN ]] || die "$BIN was not built"
 

@@ -1,38 +1,93 @@
 #!/usr/bin/env bash
 # The whole test suite: makes PostgreSQL available (scripts/postgres.sh), then runs every test of
-# the workspace against it. Each database test gets a fresh database of its own (#[sqlx::test]).
-# Ends with one line that totals every test binary's result: "N passed, M failed".
+# the workspace against it with cargo-nextest (installed with `cargo install` where missing): each
+# test in a process of its own, as many at once as there are cores, the heavy ones (clusters,
+# chaos, the benchmark) one at a time (.config/nextest.toml). Each database test gets a fresh
+# database of its own (crates/testdb: cloned from a template migrated once; or #[sqlx::test]).
+# Then the doctests, which nextest does not run, and the PgBouncer pass below.
+#
+# Ends with the slowest test binaries and tests, and one line that totals every result:
+# "N passed, M failed". Arguments go to every `cargo nextest run` (a filter, `--no-capture`, …).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+. scripts/lib.sh
+SCRIPT=test.sh
+
+if ! cargo nextest --version >/dev/null 2>&1; then
+    log "cargo-nextest not found; cargo install --locked cargo-nextest"
+    cargo install --locked cargo-nextest || die "cargo install cargo-nextest failed"
+fi
+ensure_python3
 
 # The chaos harness's tests make PostgreSQL clusters of their own: the server binaries too.
 DATABASE_URL=$(scripts/postgres.sh --server-binaries)
 export DATABASE_URL
-echo "test.sh: using $DATABASE_URL" >&2
+log "using $DATABASE_URL"
 
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 status=0
-cargo test --workspace --locked --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
+runs=0
+# One nextest run, bounded by `timeout $bound` when set; its JUnit report (.config/nextest.toml)
+# is kept for the summary.
+nextest() {
+    runs=$((runs + 1))
+    ${bound:+timeout "$bound"} cargo nextest run --locked --no-fail-fast "$@" || status=1
+    cp target/nextest/default/junit.xml "$work/run-$runs.xml" 2>/dev/null ||
+        log "no JUnit report from run $runs"
+}
+nextest --workspace "$@"
+cargo test --workspace --locked --doc 2>&1 | tee "$work/doc.log" || status=1
 # The store's tests again, through a PgBouncer in transaction pooling (scripts/pgbouncer.sh,
-# installed where missing), with the store's Statements::Unnamed (store, expiry, handover); tests/pooler.rs also checks
-# that the default statements fail there. Then Rocket Rides through the same PgBouncer with
-# --database-pooler transaction (crates/rocket-rides/tests/pooler.rs, with its control). Bounded:
-# PgBouncer stops when they end.
+# installed where missing), with the store's Statements::Unnamed (store, expiry, handover);
+# tests/integration/pooler.rs also checks that the default statements fail there. Then Rocket
+# Rides through the same PgBouncer with --database-pooler transaction
+# (crates/rocket-rides/tests/integration/pooler.rs, with its control). Bounded: PgBouncer stops
+# when they end.
 if pooler_url=$(scripts/pgbouncer.sh "$DATABASE_URL"); then
-    echo "test.sh: the store's tests and Rocket Rides' through $pooler_url" >&2
-    IDEMPOTENCY_TEST_POOLER_URL=$pooler_url timeout 600 \
-        cargo test -p idempotency --locked --no-fail-fast --test store --test expiry --test handover --test pooler "$@" 2>&1 |
-        tee -a "$log" || status=$?
-    ROCKET_RIDES_TEST_POOLER_URL=$pooler_url timeout 600 \
-        cargo test -p rocket-rides --locked --no-fail-fast --test pooler "$@" 2>&1 |
-        tee -a "$log" || status=$?
+    log "the store's tests and Rocket Rides' through $pooler_url"
+    IDEMPOTENCY_TEST_POOLER_URL=$pooler_url bound=600 nextest -p idempotency --test integration \
+        -E 'test(/^(store|expiry|handover|pooler)::/)' "$@"
+    ROCKET_RIDES_TEST_POOLER_URL=$pooler_url bound=600 nextest -p rocket-rides --test integration \
+        -E 'test(/^pooler::/)' "$@"
     scripts/pgbouncer.sh --stop "$pooler_url"
 else
-    echo "test.sh: could not start PgBouncer for the store's tests through it" >&2
+    log "could not start PgBouncer for the store's tests through it"
     status=1
 fi
-# cargo prints one "test result: ok. 12 passed; 0 failed; …" line per test binary.
-sed -n 's/^test result: [a-zA-Z]*\. \([0-9]*\) passed; \([0-9]*\) failed.*/\1 \2/p' "$log" |
-    awk '{ p += $1; f += $2 } END { printf "%d passed, %d failed\n", p, f }'
+
+# Where the time went, and the total. Each JUnit file is one nextest run; cargo test prints one
+# "test result: ok. 12 passed; 0 failed; …" line for the doctests of each crate.
+python3 - "$work" <<'PY'
+import glob, os, re, sys
+import xml.etree.ElementTree as ET
+
+work = sys.argv[1]
+tests, binaries = [], {}
+passed = failed = 0
+for path in sorted(glob.glob(os.path.join(work, "run-*.xml"))):
+    for case in ET.parse(path).getroot().iter("testcase"):
+        binary, name, secs = case.get("classname"), case.get("name"), float(case.get("time") or 0)
+        if case.find("skipped") is not None:
+            continue
+        bad = case.find("failure") is not None or case.find("error") is not None
+        failed += bad
+        passed += not bad
+        tests.append((secs, binary, name))
+        binaries[binary] = binaries.get(binary, 0.0) + secs
+with open(os.path.join(work, "doc.log"), errors="replace") as log:
+    for line in log:
+        m = re.match(r"test result: \w+\. (\d+) passed; (\d+) failed", line)
+        if m:
+            passed += int(m.group(1))
+            failed += int(m.group(2))
+print("\nslowest test binaries (seconds, the sum of their tests' times):")
+for binary, secs in sorted(binaries.items(), key=lambda b: -b[1])[:10]:
+    print(f"  {secs:8.1f}  {binary}")
+print("slowest tests (seconds):")
+for secs, binary, name in sorted(tests, reverse=True)[:15]:
+    print(f"  {secs:8.1f}  {binary} {name}")
+print(f"{passed} passed, {failed} failed")
+PY
 exit "$status"

@@ -119,7 +119,7 @@ async fn transfer(
     }
     let params = json!({ "from": from, "to": to, "amount_cents": amount_cents });
     // README: from here. The README shows the lines down to "README: to here" as they stand;
-    // crates/proving-ground/tests/docs.rs fails when the two differ.
+    // crates/proving-ground/tests/integration/docs.rs fails when the two differ.
     let request = NewRequest {
         owner,
         method: "POST",

@@ -4,7 +4,7 @@
 //!
 //! The work is done by `serde_json_canonicalizer`, which passes the RFC's published vectors:
 //! Appendix B's numbers, the sorting example, the author's test data and the 100-million-line
-//! ECMAScript number file (checked in `tests/rfc8785.rs`, the last one in part; the crate's own
+//! ECMAScript number file (checked in `tests/integration/rfc8785.rs`, the last one in part; the crate's own
 //! CI runs it whole). The crate also turns on serde_json's `float_roundtrip`, without which
 //! serde_json reads some numbers as the neighbouring double. This crate had its own
 //! canonicaliser until those vectors showed it writing ties with the odd digit.

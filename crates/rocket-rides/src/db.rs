@@ -79,7 +79,7 @@ pub fn migrator() -> sqlx::migrate::Migrator {
 }
 
 /// What [`migrate`] does, with every migration from its file and no online plan: the reference
-/// its plans are compared against (`tests/online_plans.rs`).
+/// its plans are compared against (`tests/integration/online_plans.rs`).
 pub async fn migrate_from_files(pool: &PgPool) -> Result<(), MigrateError> {
     idempotency::migrate_with_files(pool, &migrator()).await?;
     Ok(())

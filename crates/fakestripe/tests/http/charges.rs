@@ -5,7 +5,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::support::{Gateway, Reply};
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn charge_succeeds_with_a_stripe_charge_object(_: PgPoolOptions, options: PgConnectOptions) {
     let gw = Gateway::start(options).await;
     let customer = gw.customer("tok_visa").await;
@@ -51,7 +51,7 @@ async fn charge_succeeds_with_a_stripe_charge_object(_: PgPoolOptions, options: 
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn declined_card_gets_402_stores_no_charge_and_replays_the_decline(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -82,7 +82,7 @@ async fn declined_card_gets_402_stores_no_charge_and_replays_the_decline(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn bad_input_is_refused_with_stripe_errors_and_writes_nothing(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -167,7 +167,7 @@ async fn bad_input_is_refused_with_stripe_errors_and_writes_nothing(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn wrong_or_missing_secret_key_gets_401(_: PgPoolOptions, options: PgConnectOptions) {
     let gw = Gateway::start(options).await;
     let url = gw.url("/v1/charges");
@@ -204,7 +204,7 @@ async fn wrong_or_missing_secret_key_gets_401(_: PgPoolOptions, options: PgConne
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn unknown_ids_and_routes_get_stripe_404s(_: PgPoolOptions, options: PgConnectOptions) {
     let gw = Gateway::start(options).await;
     let reply = gw.get("/v1/charges/ch_missing").await;

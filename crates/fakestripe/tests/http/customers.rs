@@ -4,7 +4,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::support::Gateway;
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn created_customer_is_a_stripe_customer_object_and_can_be_retrieved(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -36,7 +36,7 @@ async fn created_customer_is_a_stripe_customer_object_and_can_be_retrieved(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn unknown_source_token_is_refused_with_param_source(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -65,7 +65,7 @@ async fn unknown_source_token_is_refused_with_param_source(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn customers_of_another_account_do_not_exist(_: PgPoolOptions, options: PgConnectOptions) {
     let gw = Gateway::start(options).await;
     let id = gw.customer("tok_visa").await;

@@ -9,7 +9,7 @@ use tokio::net::TcpStream;
 
 use crate::support::{Gateway, Reply, KEY};
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn fail_before_charge_answers_500_and_writes_nothing(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -36,7 +36,7 @@ async fn fail_before_charge_answers_500_and_writes_nothing(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn fail_after_charge_commits_and_the_retry_returns_the_charge(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -65,7 +65,7 @@ async fn fail_after_charge_commits_and_the_retry_returns_the_charge(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn drop_after_charge_is_a_transport_error_and_the_retry_returns_the_charge(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -124,7 +124,7 @@ async fn drop_after_charge_is_a_transport_error_and_the_retry_returns_the_charge
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn conflict_in_flight_answers_409_and_writes_nothing(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -150,7 +150,7 @@ async fn conflict_in_flight_answers_409_and_writes_nothing(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn declines_and_customer_requests_are_never_struck(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -178,7 +178,7 @@ async fn declines_and_customer_requests_are_never_struck(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn admin_api_sets_validates_and_counts_faults(_: PgPoolOptions, options: PgConnectOptions) {
     let gw = Gateway::start(options).await;
     let customer = gw.customer("tok_visa").await;
@@ -246,7 +246,7 @@ async fn admin_api_sets_validates_and_counts_faults(_: PgPoolOptions, options: P
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn idempotency_error_on_replay_strikes_only_keys_that_hold_a_charge(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -315,7 +315,7 @@ async fn idempotency_error_on_replay_strikes_only_keys_that_hold_a_charge(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn admin_counters_name_the_intermediary_replay_and_scripted_faults(
     _: PgPoolOptions,
     options: PgConnectOptions,

@@ -7,7 +7,7 @@ use tokio::sync::Barrier;
 
 use crate::support::{Gateway, Reply, KEY};
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn replay_returns_the_stored_response_byte_for_byte_with_replayed_header(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -43,7 +43,7 @@ async fn replay_returns_the_stored_response_byte_for_byte_with_replayed_header(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn same_key_with_other_parameters_is_an_idempotency_error(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -70,7 +70,7 @@ async fn same_key_with_other_parameters_is_an_idempotency_error(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn keys_are_scoped_to_their_account(_: PgPoolOptions, options: PgConnectOptions) {
     let gw = Gateway::start(options).await;
     let mine = gw.customer("tok_visa").await;
@@ -108,7 +108,7 @@ async fn keys_are_scoped_to_their_account(_: PgPoolOptions, options: PgConnectOp
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn concurrent_duplicates_make_exactly_one_charge(
     _: PgPoolOptions,
     options: PgConnectOptions,

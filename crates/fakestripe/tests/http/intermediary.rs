@@ -7,7 +7,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::support::{Gateway, IntermediaryForm};
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn intermediary_before_answers_without_stripe_marks_and_writes_nothing(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -59,7 +59,7 @@ async fn intermediary_before_answers_without_stripe_marks_and_writes_nothing(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn intermediary_after_commits_the_charge_and_the_retry_returns_it(
     _: PgPoolOptions,
     options: PgConnectOptions,

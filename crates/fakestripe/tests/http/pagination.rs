@@ -14,7 +14,7 @@ fn ids(page: &Value) -> Vec<String> {
         .collect()
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn pages_return_each_charge_exactly_once_in_both_directions(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -87,7 +87,7 @@ async fn pages_return_each_charge_exactly_once_in_both_directions(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn bad_list_parameters_are_refused(_: PgPoolOptions, options: PgConnectOptions) {
     let gw = Gateway::start(options).await;
     for (query, param) in [

@@ -8,7 +8,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::support::{Gateway, Reply};
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn a_script_fails_then_holds_its_customers_charges_in_order(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -80,7 +80,7 @@ async fn a_script_fails_then_holds_its_customers_charges_in_order(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn admin_script_endpoint_refuses_bad_scripts_and_queues_nothing(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -150,7 +150,7 @@ async fn admin_script_endpoint_refuses_bad_scripts_and_queues_nothing(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn a_scripted_intermediary_answers_on_its_own_before_or_after_the_charge(
     _: PgPoolOptions,
     options: PgConnectOptions,

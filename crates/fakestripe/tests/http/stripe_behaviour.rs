@@ -12,7 +12,7 @@ fn charge_body(customer: &str, request: &str) -> String {
     format!("amount=2000&currency=usd&customer={customer}&metadata[request]={request}")
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn a_sticky_500_without_a_charge_is_replayed_until_the_key_is_forgotten(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -70,7 +70,7 @@ async fn a_sticky_500_without_a_charge_is_replayed_until_the_key_is_forgotten(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn a_sticky_500_after_the_charge_hides_it_from_retries_but_not_from_the_list(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -113,7 +113,7 @@ async fn a_sticky_500_after_the_charge_hides_it_from_retries_but_not_from_the_li
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn a_forgotten_key_charges_again_as_stripe_does_after_its_window(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -144,7 +144,7 @@ async fn a_forgotten_key_charges_again_as_stripe_does_after_its_window(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn a_pending_charge_is_not_paid_until_it_settles(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -195,7 +195,7 @@ async fn a_pending_charge_is_not_paid_until_it_settles(
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn a_deleted_customer_is_refused_for_good_but_its_stored_charges_still_replay(
     _: PgPoolOptions,
     options: PgConnectOptions,
@@ -252,7 +252,7 @@ async fn a_deleted_customer_is_refused_for_good_but_its_stored_charges_still_rep
     gw.stop().await;
 }
 
-#[sqlx::test(migrations = false)]
+#[testdb::test(template = crate::support::migrated)]
 async fn lists_filter_by_created_seconds_and_refuse_unknown_bounds(
     _: PgPoolOptions,
     options: PgConnectOptions,

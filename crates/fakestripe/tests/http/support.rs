@@ -271,3 +271,13 @@ impl Gateway {
             .expect("count keys")
     }
 }
+
+/// The template of the tests that start a [`Gateway`] (`#[testdb::test(template = …)]`): what
+/// [`fakestripe::connect_with`] migrates, done once per test binary instead of once per test.
+pub(crate) async fn migrated(pool: sqlx::PgPool) {
+    let options = pool.connect_options().as_ref().clone();
+    let gateway = fakestripe::connect_with(options)
+        .await
+        .expect("connect and migrate");
+    gateway.close().await;
+}

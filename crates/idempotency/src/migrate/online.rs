@@ -15,7 +15,7 @@
 //! The migration is then recorded with its file's checksum, as if the file had run, so that
 //! sqlx's later runs, and databases that applied the file itself, agree. A test compares the
 //! catalog an application's plans produce with the one its files produce (Rocket Rides':
-//! `crates/rocket-rides/tests/online_plans.rs`).
+//! `crates/rocket-rides/tests/integration/online_plans.rs`).
 //!
 //! A plan is not one transaction: one that fails halfway leaves its first steps applied and the
 //! migration unrecorded. The next run starts the plan again from its first step, so every step

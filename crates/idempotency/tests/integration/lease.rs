@@ -1,0 +1,189 @@
+//! The lease kit against a real PostgreSQL: a foreign call under a lease keeps the lease while it
+//! runs, and is stopped, or never started, once the lease is someone else's.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency::{
+    Claim, DatabaseClock, Error, Fingerprint, IdempotencyKey, Lease, ManualClock, NewRequest,
+    OneStep, Owner, Store,
+};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+
+const TTL: Duration = Duration::from_secs(3);
+
+static OWNER: std::sync::LazyLock<Owner> =
+    std::sync::LazyLock::new(|| Owner::new("acct_7").unwrap());
+
+fn request<'a>(key: &'a IdempotencyKey, body: &'a Value) -> NewRequest<'a> {
+    NewRequest {
+        owner: &OWNER,
+        method: "POST",
+        route: "/transfers",
+        key,
+        fingerprint: Fingerprint::of_json("POST", "/transfers", body),
+        params: body,
+    }
+}
+
+async fn acquire(store: &Store, key: &IdempotencyKey, body: &Value) -> Lease<OneStep> {
+    match store.claim::<OneStep>(request(key, body)).await.unwrap() {
+        Claim::Acquired(lease) => lease,
+        other => panic!("expected an acquired lease, got {other:?}"),
+    }
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn a_call_slower_than_the_lease_keeps_it_to_the_end(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let store = Store::new(pool, Arc::new(DatabaseClock), TTL)
+        .unwrap()
+        .with_heartbeat(Duration::from_millis(300))
+        .unwrap();
+    let (key, body) = (
+        IdempotencyKey::parse(b"slow").unwrap(),
+        json!({"amount": 5}),
+    );
+    let mut lease = acquire(&store, &key, &body).await;
+    let retry = store.clone();
+    let (retry_key, retry_body) = (key.clone(), body.clone());
+    let answer = store
+        .call_under_lease(&mut lease, async move {
+            // Twice the TTL: without renewals, the retry below would take the key over.
+            tokio::time::sleep(TTL * 2).await;
+            retry
+                .claim::<OneStep>(request(&retry_key, &retry_body))
+                .await
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(answer, Ok(Claim::InFlight { .. })),
+        "a retry during the call must find the key held, got {answer:?}"
+    );
+    // The holder still holds it, and can finish.
+    store.release(lease).await.unwrap();
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn a_takeover_during_the_call_stops_it_at_the_next_beat(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let clock = ManualClock::starting_now();
+    let store = Store::new(pool, Arc::new(clock.clone()), TTL)
+        .unwrap()
+        .with_heartbeat(Duration::from_millis(100))
+        .unwrap();
+    let (key, body) = (
+        IdempotencyKey::parse(b"taken").unwrap(),
+        json!({"amount": 5}),
+    );
+    let mut lease = acquire(&store, &key, &body).await;
+    let finished = Arc::new(AtomicBool::new(false));
+    let (other, done) = (store.clone(), finished.clone());
+    let (other_key, other_body) = (key.clone(), body.clone());
+    let stopped = store
+        .call_under_lease(&mut lease, async move {
+            // The lease runs out (the clock moves past it) and another request takes it over:
+            // the next beat finds it lost, or, by the holder's clock, already over.
+            clock.advance(TTL + Duration::from_secs(1));
+            let taken = acquire(&other, &other_key, &other_body).await;
+            // The call would go on for long: only the kit's next renewal can stop it.
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            done.store(true, Ordering::SeqCst);
+            taken
+        })
+        .await;
+    assert!(
+        matches!(
+            stopped,
+            Err(Error::LeaseLost { .. } | Error::LeaseUnconfirmed { .. })
+        ),
+        "the call must stop on the lost renewal, got {stopped:?}"
+    );
+    assert!(!finished.load(Ordering::SeqCst), "the call ran to its end");
+    // Nothing more can be written under the old lease.
+    assert!(matches!(
+        store.release(lease).await,
+        Err(Error::LeaseLost { .. })
+    ));
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn a_holder_that_stood_still_past_its_lease_does_not_start_the_call(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let clock = ManualClock::starting_now();
+    let store = Store::new(pool, Arc::new(clock.clone()), TTL).unwrap();
+    let (key, body) = (
+        IdempotencyKey::parse(b"paused").unwrap(),
+        json!({"amount": 5}),
+    );
+    let mut lease = acquire(&store, &key, &body).await;
+    // The holder's process is paused past its lease; another request takes the key over.
+    clock.advance(TTL + Duration::from_secs(1));
+    let _taken = acquire(&store, &key, &body).await;
+    let started = Arc::new(AtomicBool::new(false));
+    let flag = started.clone();
+    let outcome = store
+        .call_under_lease(
+            &mut lease,
+            async move { flag.store(true, Ordering::SeqCst) },
+        )
+        .await;
+    assert!(
+        matches!(outcome, Err(Error::LeaseLost { .. })),
+        "{outcome:?}"
+    );
+    assert!(!started.load(Ordering::SeqCst), "the call was started");
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn a_watched_call_stays_the_callers_when_the_lease_is_lost(pool: PgPool) {
+    idempotency::migrate(&pool).await.unwrap();
+    let clock = ManualClock::starting_now();
+    let store = Store::new(pool, Arc::new(clock.clone()), TTL)
+        .unwrap()
+        .with_heartbeat(Duration::from_millis(100))
+        .unwrap();
+    let (key, body) = (
+        IdempotencyKey::parse(b"watched").unwrap(),
+        json!({"amount": 5}),
+    );
+    let mut lease = acquire(&store, &key, &body).await;
+    let (other, other_key, other_body) = (store.clone(), key.clone(), body.clone());
+    let mut task = tokio::spawn(async move {
+        clock.advance(TTL + Duration::from_secs(1));
+        let _taken = acquire(&other, &other_key, &other_body).await;
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    });
+    let outcome = store.watch_under_lease(&mut lease, &mut task).await;
+    assert!(
+        matches!(
+            outcome,
+            Err(Error::LeaseLost { .. } | Error::LeaseUnconfirmed { .. })
+        ),
+        "{outcome:?}"
+    );
+    // The task was handed back untouched: the caller stops it and waits for its end.
+    assert!(!task.is_finished());
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_heartbeat_must_leave_room_for_a_second_renewal(pool: PgPool) {
+    let store = Store::new(pool, Arc::new(DatabaseClock), TTL).unwrap();
+    assert_eq!(
+        store.heartbeat(),
+        TTL / 3,
+        "the default is a third of the TTL"
+    );
+    for period in [Duration::ZERO, TTL / 2, TTL] {
+        let refused = store.clone().with_heartbeat(period).unwrap_err();
+        assert!(
+            matches!(&refused, Error::InvalidConfig(why) if why.contains("heartbeat")),
+            "{period:?}: {refused}"
+        );
+    }
+}

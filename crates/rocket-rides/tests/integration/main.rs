@@ -1,0 +1,20 @@
+//! Rocket Rides' integration tests, one binary (one build, one link; `common` compiled once):
+//! each module below was a test binary of its own.
+
+mod adversary;
+mod common;
+mod distribution;
+mod doubt;
+mod edge;
+mod gateway;
+mod live_migration;
+mod observability;
+mod online_plans;
+mod ops;
+mod owner_adversary;
+mod pooler;
+mod rides;
+mod settings;
+mod sync_commit;
+mod upgrade;
+mod worker;
