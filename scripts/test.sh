@@ -37,7 +37,11 @@ nextest() {
     cp target/nextest/default/junit.xml "$work/run-$runs.xml" 2>/dev/null ||
         log "no JUnit report from run $runs"
 }
-nextest --workspace "$@"
+# The protocol model (crates/protocol-model) runs apart, below, with its output shown.
+nextest --workspace --exclude protocol-model "$@"
+# The protocol model: every reachable state of the real protocol, and each protection's absence
+# found as a counterexample; prints the state counts, the times and the traces.
+cargo test -p protocol-model --locked -- --nocapture 2>&1 | tee "$work/model.log" || status=1
 cargo test --workspace --locked --doc 2>&1 | tee "$work/doc.log" || status=1
 # The store's tests again, through a PgBouncer in transaction pooling (scripts/pgbouncer.sh,
 # installed where missing), with the store's Statements::Unnamed (store, expiry, handover);
@@ -76,7 +80,8 @@ for path in sorted(glob.glob(os.path.join(work, "run-*.xml"))):
         passed += not bad
         tests.append((secs, binary, name))
         binaries[binary] = binaries.get(binary, 0.0) + secs
-with open(os.path.join(work, "doc.log"), errors="replace") as log:
+for name in ("doc.log", "model.log"):
+  with open(os.path.join(work, name), errors="replace") as log:
     for line in log:
         m = re.match(r"test result: \w+\. (\d+) passed; (\d+) failed", line)
         if m:

@@ -1,0 +1,183 @@
+//! The protocol, checked: the real protocol keeps every property in every reachable state of
+//! the biggest scope; each protection's absence is found as a counterexample, printed as a path
+//! of actions; and the gaps today's protocol has when a holder stands still where the default
+//! scope assumes it does not, each found and printed. Run with `--nocapture` to see the state
+//! counts, the times and the traces.
+
+use protocol_model::{
+    check, Example, Name, Protection, Protections, ProtocolModel, Scope, Settings, Until,
+};
+
+/// The scope of the negative variants and the gaps: the real one, read as written (no
+/// symmetry, so that "client 0" stays client 0 in a trace), with only the faults the
+/// counterexample needs (a breadth-first search in a bigger scope finds the same trace or a
+/// shorter one, slower).
+fn narrow(faults: u8) -> Scope {
+    Scope {
+        faults,
+        symmetry: false,
+        ..Scope::default()
+    }
+}
+
+#[test]
+fn the_protocol_keeps_every_property_in_every_reachable_state() {
+    let model = ProtocolModel::new(Protections::default(), Scope::default());
+    assert_eq!(model.settings, Settings::MODEL);
+    let checked = check(model, Until::Exhausted, 2);
+    println!("{}", checked.summary());
+    for name in checked.broken() {
+        println!(
+            "{}",
+            checked.trace(name).expect("a broken property has a trace")
+        );
+    }
+    assert_eq!(
+        checked.broken(),
+        Vec::<Name>::new(),
+        "{}",
+        checked.summary()
+    );
+    assert!(
+        checked.unique_states >= 100_000,
+        "the biggest check explores at least 100,000 states: {}",
+        checked.summary()
+    );
+}
+
+#[test]
+fn the_checker_reaches_every_example() {
+    // Without them the properties above could hold because nothing ever happens.
+    for example in Example::ALL {
+        let scope = Scope {
+            examples: true,
+            ..narrow(1)
+        };
+        let checked = check(
+            ProtocolModel::new(Protections::default(), scope),
+            Until::Reached(example),
+            1,
+        );
+        let path = checked.example(example);
+        println!(
+            "{:?}: {}",
+            example,
+            path.map_or("not reached".to_owned(), |p| format!(
+                "reached in {} actions",
+                p.clone().into_actions().len()
+            ))
+        );
+        assert!(
+            path.is_some(),
+            "{example:?} not reached: {}",
+            checked.summary()
+        );
+    }
+}
+
+/// Checks the protocol without `protection` until the property it guards breaks, prints the
+/// counterexample, and fails if there is none.
+fn without(protection: Protection, faults: u8) {
+    let model = ProtocolModel::new(Protections::without(protection), narrow(faults));
+    let checked = check(model, Until::Broken(protection.guards()), 1);
+    println!("{}", checked.summary());
+    let trace = checked.trace(protection.guards()).unwrap_or_else(|| {
+        panic!(
+            "without {protection:?}, no counterexample to \"{}\": {}",
+            protection.guards().as_str(),
+            checked.summary()
+        )
+    });
+    println!("{trace}");
+}
+
+#[test]
+fn without_the_fence_a_holder_whose_lease_was_taken_over_still_writes() {
+    without(Protection::Fence, 0);
+}
+
+#[test]
+fn without_the_in_flight_guard_a_list_misses_a_call_still_running_and_charges_twice() {
+    without(Protection::InFlightGuard, 0);
+}
+
+#[test]
+fn an_intermediarys_4xx_page_taken_for_a_refusal_stores_a_502_for_a_charged_card() {
+    without(Protection::OnlyTheGatewaysWordIsFinal, 1);
+}
+
+#[test]
+fn a_lease_clock_started_at_the_claims_answer_lets_a_stale_holder_charge_twice() {
+    without(Protection::LeaseClockFromTheSend, 0);
+}
+
+#[test]
+fn a_processing_bound_no_longer_than_the_timeout_lists_too_early_and_charges_twice() {
+    without(Protection::ProcessingBoundAboveTheTimeout, 0);
+}
+
+#[test]
+fn a_key_window_below_its_floor_reconciles_while_the_first_call_runs_and_charges_twice() {
+    without(Protection::KeyWindowFloor, 0);
+}
+
+#[test]
+fn a_key_window_longer_than_the_gateways_memory_charges_twice() {
+    without(Protection::KeyWindowWithinTheGatewaysMemory, 0);
+}
+
+#[test]
+fn a_reaper_that_deletes_unfinished_keys_leaves_a_key_that_never_finishes() {
+    without(Protection::ReaperSparesUnfinishedKeys, 0);
+}
+
+#[test]
+fn a_refusal_after_an_unknown_outcome_stored_at_once_is_a_502_for_a_charged_card() {
+    without(Protection::RefusalAfterAnUnknownOutcomeReconciles, 1);
+}
+
+#[test]
+fn a_5xx_that_was_not_replayed_taken_for_a_stored_one_charges_twice() {
+    without(Protection::OnlyAReplayed5xxIsStored, 1);
+}
+
+/// Checks today's protocol in `scope` (with `settings`) until a request is charged twice, prints
+/// the counterexample, and fails if there is none.
+fn today(scope: Scope, settings: Settings) {
+    let mut model = ProtocolModel::new(Protections::default(), scope);
+    model.settings = settings;
+    let checked = check(model, Until::Broken(Name::OneChargePerRequest), 1);
+    println!("{}", checked.summary());
+    let trace = checked
+        .trace(Name::OneChargePerRequest)
+        .unwrap_or_else(|| panic!("no double charge found: {}", checked.summary()));
+    println!("{trace}");
+}
+
+#[test]
+fn today_a_pause_between_record_attempt_and_the_send_hides_the_charge_from_the_list() {
+    let scope = Scope {
+        pause_between_record_and_send: true,
+        ..narrow(0)
+    };
+    today(scope, Settings::MODEL);
+}
+
+#[test]
+fn today_a_pause_after_reading_the_ride_calls_under_a_key_the_gateway_forgot() {
+    let scope = Scope {
+        pause_after_reading_the_ride: true,
+        ..narrow(0)
+    };
+    today(scope, Settings::MODEL);
+}
+
+#[test]
+fn today_a_lease_longer_than_the_skew_and_a_heartbeat_hides_a_first_call_from_the_list() {
+    let settings = Settings {
+        reconcile_clock_skew: 0,
+        ..Settings::MODEL
+    };
+    assert_eq!(settings.validate(), Ok(()), "today's relations allow it");
+    today(narrow(0), settings);
+}
