@@ -86,13 +86,23 @@ pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
 }
 
 /// A connection of `pool` to migrate on, closed when dropped, so that the bound its session puts
-/// on lock waits never reaches the pool's other users.
+/// on lock waits, and its quiet notices, never reach the pool's other users.
+///
+/// The session hears only warnings and errors (`client_min_messages = warning`): the online
+/// plans' `IF EXISTS` / `IF NOT EXISTS` statements, which let a step run again after a crash,
+/// would otherwise send a `NOTICE … does not exist, skipping` for each on a new database, about
+/// 30 lines in a log that says nothing went wrong. Warnings still come through, so the commit
+/// watch hears a cancelled wait for the standby.
 async fn migrating_connection(
     pool: &PgPool,
     context: &str,
 ) -> Result<PoolConnection<Postgres>, Error> {
     let mut conn = pool.acquire().await.map_err(Error::db(context))?;
     conn.close_on_drop();
+    (&mut *conn)
+        .execute("SET client_min_messages = warning")
+        .await
+        .map_err(Error::db(context))?;
     Ok(conn)
 }
 

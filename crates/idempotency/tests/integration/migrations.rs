@@ -588,3 +588,59 @@ async fn an_online_plan_naming_no_migration_or_one_twice_is_refused_before_anyth
         "nothing ran"
     );
 }
+
+/// The server's notices a session heard, as sqlx reports them (`tracing`, target
+/// `sqlx::postgres::notice`, the notice's text as `message`).
+#[derive(Clone, Default)]
+struct Notices(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Notices {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if event.metadata().target() != "sqlx::postgres::notice" {
+            return;
+        }
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        self.0.lock().unwrap().push(message.0);
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn migrating_a_new_database_prints_no_notice(pool: PgPool) {
+    use tracing_subscriber::layer::SubscriberExt;
+    let notices = Notices::default();
+    // The test's runtime has one thread: every connection's messages are read on it.
+    let _listening =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(notices.clone()));
+    // The listener hears notices at all: a session that asks for one gets it.
+    sqlx::raw_sql("DROP TABLE IF EXISTS no_such_table")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(notices.0.lock().unwrap().len(), 1, "{:?}", notices.0);
+    notices.0.lock().unwrap().clear();
+
+    // Both migrators, on a new database and again on a migrated one.
+    idempotency::migrate_with(&pool, &sqlx::migrate!("./tests/app_migrations"))
+        .await
+        .unwrap();
+    idempotency::migrate_with(&pool, &sqlx::migrate!("./tests/app_migrations"))
+        .await
+        .unwrap();
+    idempotency::migrate(&pool).await.unwrap();
+    assert_eq!(*notices.0.lock().unwrap(), Vec::<String>::new());
+    // Each migrating session's quiet is its own: the pool's connections still hear notices.
+    sqlx::raw_sql("DROP TABLE IF EXISTS no_such_table")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(notices.0.lock().unwrap().len(), 1, "{:?}", notices.0);
+}
