@@ -165,6 +165,13 @@ async fn explain_lock_timeout(
 /// runs on its side of the crate's, on a database of any age (a new one too, whose old
 /// migrations still create the `bigint` reference first).
 ///
+/// **Numbered apart.** When every one of the application's migrations is numbered below the
+/// crate's first (sqlx-cli's sequential numbering: 1, 2, 3), the two sets keep each its own
+/// order instead: the crate's pending ones first, then the application's, on a new database and
+/// an old one alike. When only some are, those numbered below the crate's first run before
+/// `idempotency_keys` exists on a new database: one that names the table is refused, naming the
+/// versions, before anything is applied.
+///
 /// A crate migration is applied before the first pending application migration of a higher or
 /// equal version; on an existing database, it follows the application's migrations already
 /// applied, whatever their versions. A pending application migration below a crate migration
@@ -266,9 +273,13 @@ async fn interleave(
 ) -> Result<(), Error> {
     let ours = plans.map(|(ours, _)| ours);
     let app_error = |e: MigrateError| Error::Migration(format!("application migrations: {e}"));
+    let apart = numbered_apart(app);
+    if !apart {
+        refuse_references_before_the_table(conn, app).await?;
+    }
     // Earlier versions of the crate recorded theirs in sqlx's table: adopted before that table
-    // is read as the application's.
-    apply_ours(conn, Some(i64::MIN), ours).await?;
+    // is read as the application's. Numbered apart, the crate's all come first.
+    apply_ours(conn, (!apart).then_some(i64::MIN), ours).await?;
     conn.ensure_migrations_table().await.map_err(app_error)?;
     if let Some(version) = conn.dirty_version().await.map_err(app_error)? {
         return Err(app_error(MigrateError::Dirty(version)));
@@ -296,7 +307,7 @@ async fn interleave(
             .fetch_one(&mut *conn)
             .await
             .map_err(Error::db("read the idempotency migrations table"))?;
-    if let (Some(first), Some(latest)) = (pending.first(), latest_ours) {
+    if let (Some(first), Some(latest), false) = (pending.first(), latest_ours, apart) {
         if first.version < latest {
             return Err(Error::Migration(format!(
                 "application migration {} ({}) is pending below the crate's migration {latest}, \
@@ -329,6 +340,77 @@ async fn interleave(
         })?;
     }
     apply_ours(conn, None, ours).await
+}
+
+/// The version of the crate's first migration, the one that creates `idempotency_keys`.
+fn first_of_ours() -> i64 {
+    let first = sqlx::migrate!("./migrations")
+        .iter()
+        .map(|m| m.version)
+        .min();
+    // The crate holds migrations, or it would have no table to create.
+    first.unwrap_or(i64::MAX)
+}
+
+/// Whether every one of the application's migrations is numbered below the crate's first (as
+/// sqlx-cli's sequential numbering, 1, 2, 3, makes them): the two sets then keep each its own
+/// order, the crate's before the application's, since an application migration numbered so
+/// could not otherwise reference the crate's tables.
+fn numbered_apart(app: &Migrator) -> bool {
+    let first = first_of_ours();
+    let mut ups = app.iter().filter(|m| !m.migration_type.is_down_migration());
+    ups.all(|m| m.version < first)
+}
+
+/// Refuses, before anything is written, pending application migrations that are numbered below
+/// the crate's first migration and name `idempotency_keys`, when others of the application's
+/// are numbered among or above the crate's: in the order of versions they run before the table
+/// exists, on a new database. (A mention in a comment counts too: the error says what to do.)
+async fn refuse_references_before_the_table(
+    conn: &mut PgConnection,
+    app: &Migrator,
+) -> Result<(), Error> {
+    let first = first_of_ours();
+    let early: Vec<&Migration> = app
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration() && m.version < first)
+        .filter(|m| m.sql.to_ascii_lowercase().contains("idempotency_keys"))
+        .collect();
+    if early.is_empty() {
+        return Ok(());
+    }
+    let applied: Vec<i64> = sqlx::query_scalar("SELECT version FROM _sqlx_migrations")
+        .fetch_all(&mut *conn)
+        .await
+        .or_else(|e| match e.as_database_error().and_then(|e| e.code()) {
+            // No bookkeeping yet (42P01, undefined table): nothing of the application's applied.
+            Some(code) if code == "42P01" => Ok(Vec::new()),
+            _ => Err(e),
+        })
+        .map_err(Error::db("read the application's applied migrations"))?;
+    let pending: Vec<String> = early
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .map(|m| format!("{} ({})", m.version, m.description))
+        .collect();
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let later = app
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration() && m.version >= first)
+        .map(|m| m.version.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(Error::Migration(format!(
+        "application migrations {} name idempotency_keys but are numbered below the crate's first \
+         migration, {first}, which creates that table, while others of the application's \
+         ({later}) are numbered among or above the crate's: in the order of versions they would \
+         run before the table exists. Renumber them above the crate's migrations, or number \
+         every application migration below {first} (the crate's then all run first); nothing \
+         was applied",
+        pending.join(", ")
+    )))
 }
 
 /// Applies the crate's pending migrations of a version below `below` (all of them when `None`),

@@ -644,3 +644,92 @@ async fn migrating_a_new_database_prints_no_notice(pool: PgPool) {
         .unwrap();
     assert_eq!(notices.0.lock().unwrap().len(), 1, "{:?}", notices.0);
 }
+
+/// An application migration that references the key table, numbered as sqlx-cli's sequential
+/// numbering does.
+const SEQUENTIAL_ORDERS: (&str, &str) = (
+    "1_orders.sql",
+    "CREATE TABLE orders (
+         owner  TEXT NOT NULL,
+         id     BIGSERIAL,
+         key_id BIGINT,
+         PRIMARY KEY (owner, id),
+         FOREIGN KEY (owner, key_id) REFERENCES idempotency_keys (owner, id)
+             ON DELETE SET NULL (key_id)
+     );",
+);
+
+#[sqlx::test(migrations = false)]
+async fn application_migrations_numbered_below_the_crates_run_after_them(pool: PgPool) {
+    let app = support::migrator_of("tests/app_migrations", 0, &[SEQUENTIAL_ORDERS]).await;
+    idempotency::migrate_with(&pool, &app).await.unwrap();
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_constraint WHERE confrelid = 'idempotency_keys'::regclass"
+        )
+        .await,
+        1
+    );
+    // A later one of the application's, on the now migrated database, keeps its own order.
+    let later = (
+        "2_order_notes.sql",
+        "ALTER TABLE orders ADD COLUMN note TEXT;",
+    );
+    let app = support::migrator_of("tests/app_migrations", 0, &[SEQUENTIAL_ORDERS, later]).await;
+    idempotency::migrate_with(&pool, &app).await.unwrap();
+    idempotency::migrate_with(&pool, &app).await.unwrap();
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM _sqlx_migrations").await,
+        2
+    );
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM idempotency_schema_migrations WHERE NOT adopted"
+        )
+        .await as usize,
+        crate_migrations()
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_database_the_plain_migrate_made_takes_application_migrations_numbered_apart(
+    pool: PgPool,
+) {
+    idempotency::migrate(&pool).await.unwrap();
+    let app = support::migrator_of("tests/app_migrations", 0, &[SEQUENTIAL_ORDERS]).await;
+    idempotency::migrate_with(&pool, &app).await.unwrap();
+    assert_eq!(
+        count(&pool, "SELECT count(*) FROM _sqlx_migrations").await,
+        1
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_low_numbered_reference_among_timestamped_migrations_is_refused_naming_it(pool: PgPool) {
+    // The application's others are numbered above the crate's: in the order of versions, 1 would
+    // run before the key table exists.
+    let app = support::migrator_of("tests/app_migrations", i64::MAX, &[SEQUENTIAL_ORDERS]).await;
+    let error = idempotency::migrate_with(&pool, &app).await.unwrap_err();
+    let message = error.to_string();
+    for part in [
+        "1 (orders)",
+        "20261129000001",
+        "20270101000001",
+        "nothing was applied",
+    ] {
+        assert!(message.contains(part), "{part:?} not in {message}");
+    }
+    assert!(matches!(error, Error::Migration(_)), "{error:?}");
+    assert_eq!(
+        count(
+            &pool,
+            "SELECT count(*) FROM pg_class
+             WHERE relname IN ('idempotency_keys', 'idempotency_schema_migrations',
+                               '_sqlx_migrations', 'orders')"
+        )
+        .await,
+        0
+    );
+}
