@@ -114,7 +114,9 @@ pub fn backoff(completer_attempts: i32, base: Duration, max: Duration) -> Durati
     base.saturating_mul(1 << doublings).min(max)
 }
 
-/// How long a key is left to its client before a [`Completer`] takes it, by default.
+/// How long a key is left to its client before a [`Completer`] takes it, by default: 60 s, or
+/// twice the store's lease TTL when the TTL is as long or longer (a grace must exceed the TTL,
+/// see [`Completer::try_grace`]).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
 /// The most keys a completer pass claims, by default.
 pub const DEFAULT_BATCH: usize = 50;
@@ -143,14 +145,20 @@ pub struct Completer {
 
 impl Completer {
     /// A completer of the keys of `method` and `route` (as the requests' claims name them), with
-    /// the defaults: [`DEFAULT_GRACE`], [`DEFAULT_BATCH`] keys a pass, [`DEFAULT_CONCURRENCY`] at
-    /// once, and a backoff from [`DEFAULT_BACKOFF`] to [`DEFAULT_BACKOFF_MAX`].
+    /// the defaults: [`DEFAULT_GRACE`] (or twice the store's lease TTL, when that is longer),
+    /// [`DEFAULT_BATCH`] keys a pass, [`DEFAULT_CONCURRENCY`] at once, and a backoff from
+    /// [`DEFAULT_BACKOFF`] to [`DEFAULT_BACKOFF_MAX`].
     pub fn new(store: Store, method: &str, route: &str) -> Self {
+        let ttl = store.lease_ttl();
         Self {
             store,
             method: method.to_owned(),
             route: route.to_owned(),
-            grace: DEFAULT_GRACE,
+            grace: if DEFAULT_GRACE > ttl {
+                DEFAULT_GRACE
+            } else {
+                ttl.saturating_mul(2)
+            },
             batch: DEFAULT_BATCH,
             concurrency: DEFAULT_CONCURRENCY,
             backoff: DEFAULT_BACKOFF,
@@ -159,8 +167,26 @@ impl Completer {
     }
 
     /// How long a key must have been left alone (since its last attempt) before the completer
-    /// takes it, so that a client still retrying its own key is not raced. Keep it above the
-    /// lease TTL.
+    /// takes it, so that a client still retrying its own key is not raced: above the store's
+    /// lease TTL, or [`Error::InvalidConfig`] naming both.
+    ///
+    /// At or below the TTL, a key whose request is alive but slow (between two renewals, or
+    /// waiting for its next phase) could look abandoned, and the completer would take it over
+    /// while its client's own retry is under way: two holders in turn where one would do, each
+    /// fenced but each making the client wait.
+    pub fn try_grace(self, grace: Duration) -> Result<Self, Error> {
+        let ttl = self.store.lease_ttl();
+        if grace <= ttl {
+            return Err(Error::InvalidConfig(format!(
+                "the completer's grace ({grace:?}) must exceed the store's lease TTL ({ttl:?}), \
+                 or the completer races requests that are still alive"
+            )));
+        }
+        Ok(self.grace(grace))
+    }
+
+    /// [`Completer::try_grace`] without its check, for tests that have the completer take a
+    /// released key at once (`Duration::ZERO`). A service sets its grace with `try_grace`.
     pub fn grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
         self
@@ -436,5 +462,40 @@ mod tests {
         assert_eq!(backoff(3, base, max), Duration::from_secs(20));
         assert_eq!(backoff(5, base, max), Duration::from_secs(60));
         assert_eq!(backoff(i32::MAX, base, max), Duration::from_secs(60));
+    }
+
+    /// A store that never connects: the completer's settings need only its lease TTL.
+    fn store(lease_ttl: Duration) -> Store {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .unwrap();
+        Store::new(pool, Arc::new(crate::DatabaseClock), lease_ttl).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_grace_at_or_below_the_lease_ttl_is_refused_naming_both() {
+        let ttl = Duration::from_secs(30);
+        for grace in [Duration::ZERO, ttl - Duration::from_millis(1), ttl] {
+            let completer = Completer::new(store(ttl), "POST", "/rides");
+            match completer.try_grace(grace) {
+                Err(Error::InvalidConfig(message)) => {
+                    assert!(message.contains(&format!("{grace:?}")), "{message}");
+                    assert!(message.contains("30s"), "{message}");
+                }
+                other => panic!("grace {grace:?} accepted: {other:?}"),
+            }
+        }
+        let completer = Completer::new(store(ttl), "POST", "/rides")
+            .try_grace(ttl + Duration::from_millis(1))
+            .unwrap();
+        assert_eq!(completer.grace, ttl + Duration::from_millis(1));
+    }
+
+    #[tokio::test]
+    async fn the_default_grace_exceeds_a_long_lease_ttl() {
+        let short = Completer::new(store(Duration::from_secs(30)), "POST", "/rides");
+        assert_eq!(short.grace, DEFAULT_GRACE);
+        let long = Completer::new(store(Duration::from_secs(60)), "POST", "/rides");
+        assert_eq!(long.grace, Duration::from_secs(120));
     }
 }

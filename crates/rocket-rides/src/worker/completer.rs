@@ -25,7 +25,7 @@ pub async fn run_once(
     settings: &WorkerArgs,
 ) -> Result<Report, idempotency::Error> {
     let completer = Completer::new(state.store.clone(), "POST", RIDES_ROUTE)
-        .grace(settings.completer_grace)
+        .try_grace(settings.completer_grace)?
         .batch(usize::try_from(settings.completer_batch).unwrap_or(1))
         .concurrency(settings.completer_concurrency as usize)
         .backoff(settings.completer_backoff, settings.completer_backoff_max);
