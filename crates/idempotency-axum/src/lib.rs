@@ -33,3 +33,27 @@ pub use replay::{
     acquired_or_respond, replayed_response, stored_response, IDEMPOTENT_REPLAYED,
     KEY_IN_FLIGHT_DETAIL, KEY_REUSED_DETAIL, MAX_IN_FLIGHT_RETRY_AFTER,
 };
+
+#[cfg(test)]
+mod tests {
+    use testdb::doc_values::{bytes, duration};
+
+    /// Every default and bound a user sets against states its value where rustdoc shows it.
+    #[test]
+    fn every_default_states_its_value_in_its_doc() {
+        let layer = include_str!("layer/mod.rs");
+        bytes(
+            layer,
+            "DEFAULT_MAX_BODY",
+            crate::layer::DEFAULT_MAX_BODY as u64,
+        );
+        bytes(
+            layer,
+            "MAX_STORED_BODY",
+            crate::layer::MAX_STORED_BODY as u64,
+        );
+        let replay = include_str!("replay.rs");
+        let retry_after = crate::MAX_IN_FLIGHT_RETRY_AFTER;
+        duration(replay, "MAX_IN_FLIGHT_RETRY_AFTER", retry_after);
+    }
+}

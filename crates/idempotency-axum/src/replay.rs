@@ -20,7 +20,7 @@ pub const KEY_REUSED_DETAIL: &str =
 pub const KEY_IN_FLIGHT_DETAIL: &str =
     "a request with this Idempotency-Key is being processed; retry after the indicated time";
 
-/// The longest `Retry-After` of a 409 for a key in flight. A live holder finishes in
+/// The longest `Retry-After` of a 409 for a key in flight: 2 s. A live holder finishes in
 /// milliseconds, so the client is told to come back soon; a dead holder's lease lasts its whole
 /// TTL, and the client then asks every two seconds until it is taken over.
 pub const MAX_IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(2);

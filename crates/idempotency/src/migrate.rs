@@ -54,8 +54,8 @@ pub const MIGRATIONS_TABLE: &str = "idempotency_schema_migrations";
 /// The advisory lock migrators take turns on: "idempote" in ASCII.
 const LOCK: i64 = 0x6964_656d_706f_7465;
 
-/// The longest the migrating session waits for a lock, for migrations whose files set none (the
-/// earliest do not, and cannot be changed: their checksums are recorded). Far above the
+/// The longest the migrating session waits for a lock, 5 s, for migrations whose files set none
+/// (the earliest do not, and cannot be changed: their checksums are recorded). Far above the
 /// milliseconds a booking's transaction holds its locks, so that traffic alone never fails a
 /// migration; far below what clients wait before they give up, since every statement on the
 /// table queues behind the migration's wait. The files that set their own say 5 s too.

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-/// The longest owner accepted, in bytes: a user id of the seed, a Stripe account id
+/// The longest owner accepted, 128 bytes: a user id of the seed, a Stripe account id
 /// (`acct_…`), a tenant's name.
 pub const MAX_OWNER_LEN: usize = 128;
 

@@ -118,15 +118,15 @@ pub fn backoff(completer_attempts: i32, base: Duration, max: Duration) -> Durati
 /// twice the store's lease TTL when the TTL is as long or longer (a grace must exceed the TTL,
 /// see [`Completer::try_grace`]).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
-/// The most keys a completer pass claims, by default.
+/// The most keys a completer pass claims, by default: 50.
 pub const DEFAULT_BATCH: usize = 50;
-/// How many keys a completer works at once, by default.
+/// How many keys a completer works at once, by default: 4.
 pub const DEFAULT_CONCURRENCY: usize = 4;
-/// The backoff after a key's first failed completer attempt, by default.
+/// The backoff after a key's first failed completer attempt, by default: 5 s.
 pub const DEFAULT_BACKOFF: Duration = Duration::from_secs(5);
-/// The most a completer's backoff grows to, by default.
+/// The most a completer's backoff grows to, by default: 10 min.
 pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(600);
-/// The most keys one reaper statement deletes, by default.
+/// The most keys one reaper statement deletes, by default: 500.
 pub const DEFAULT_REAP_BATCH: i64 = 500;
 
 /// Finishes the abandoned keys of one route with the application's closure. See the

@@ -37,6 +37,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, Executor, PgConnection, PgPool};
 
+pub mod doc_values;
+
 pub use testdb_macros::test;
 
 /// Every database this crate makes starts with this.

@@ -157,11 +157,11 @@ pub use headers::{StoredHeaderError, DEFAULT_STORED_HEADERS, UNSTORABLE_HEADERS}
 pub use service::Idempotent;
 pub use transaction::{KeyConnection, KeyTransaction, NO_TRANSACTION_DETAIL};
 
-/// The default largest request body the layer buffers to fingerprint it.
+/// The default largest request body the layer buffers to fingerprint it: 64 KiB.
 pub const DEFAULT_MAX_BODY: usize = 64 * 1024;
 
-/// The largest response body the layer can store (the key table's bound); larger answers are
-/// passed through and not stored.
+/// The largest response body the layer can store, 1 MiB (the key table's bound); larger answers
+/// are passed through and not stored.
 pub const MAX_STORED_BODY: usize = 1024 * 1024;
 
 /// Detail of the 413.

@@ -29,12 +29,12 @@ use sqlx::{Connection, Executor};
 
 use crate::Error;
 
-/// Rows of `id` updated by one transaction of a backfill: a few milliseconds of row locks, so
+/// Rows of `id` updated by one transaction of a backfill, 5000: a few milliseconds of row locks, so
 /// that a booking that updates one of those rows waits far less than its own lock bound.
 pub const BACKFILL_BATCH: i64 = 5_000;
 
-/// The longest a plan's transaction step waits for each lock before it rolls back and is tried
-/// again, until [`crate::MIGRATION_LOCK_TIMEOUT`] has passed. While a step waits, it holds the
+/// The longest a plan's transaction step waits for each lock, 200 ms, before it rolls back and is
+/// tried again, until [`crate::MIGRATION_LOCK_TIMEOUT`] has passed. While a step waits, it holds the
 /// locks it took already and every statement on those tables queues behind it; and a step that
 /// locks two tables (a key table and the rides that reference it) can meet an application
 /// transaction that took them in the other order, a deadlock that only a timeout ends. Far below

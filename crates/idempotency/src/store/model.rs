@@ -14,7 +14,7 @@ use uuid::Uuid;
 use crate::observe::{Observed, Observer};
 use crate::{Clock, Error, Fingerprint, IdempotencyKey, Owner, StoredResponse};
 
-/// The lease time-to-live when none is configured.
+/// The lease time-to-live when none is configured: 30 s.
 ///
 /// A holder that dies keeps its key locked this long, so retries get 409 until then; a holder that
 /// lives must finish each phase (or renew) within it. It must stay larger than the longest foreign
@@ -216,7 +216,7 @@ impl std::fmt::Debug for Store {
 }
 
 impl Store {
-    /// The shortest retention [`Store::with_retention`] accepts: one hour.
+    /// The shortest retention [`Store::with_retention`] accepts: one hour (1 h).
     ///
     /// Clients retry over minutes (a backoff, a queue that drains after an outage, a person who
     /// presses the button again), and each of those retries must replay. A retention shorter than
