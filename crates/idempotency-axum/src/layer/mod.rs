@@ -62,7 +62,10 @@
 //! - **A JSON body is fingerprinted canonically** (key order and whitespace do not matter); any
 //!   other body, and JSON with a NUL character (which PostgreSQL's `jsonb` cannot hold), by its
 //!   exact bytes, under a fingerprint of another shape, so that a raw body never matches a JSON
-//!   one.
+//!   one, whichever came first: the raw body `hello` and the JSON string `"68656c6c6f"` (its hex)
+//!   under one key are two payloads (422). Keys stored by earlier versions, which fingerprinted
+//!   JSON bodies without a tag and raw bodies as the JSON string of their hex, still replay and
+//!   resume; two such keys from before the upgrade stay as ambiguous as they were stored.
 //! - **The lease is renewed while the handler runs** (every [`IdempotencyLayer::heartbeat`]), so
 //!   a handler slower than the lease TTL is not taken over by a retry and run twice at once. If a
 //!   renewal finds the lease taken over, the handler's task is aborted at its next await and its

@@ -172,6 +172,38 @@ fn holds_nul(value: &Value) -> bool {
     }
 }
 
+/// The tag that opens the target in a JSON body's fingerprint. No fingerprint of an earlier
+/// version has it (their targets start with `/`), so none of them can equal a current one.
+const JSON_FINGERPRINT_TAG: &str = "json ";
+
+/// The fingerprints the request may have been stored under, the current one first.
+///
+/// - **A JSON body** is fingerprinted canonically under a tagged target
+///   ([`JSON_FINGERPRINT_TAG`]); then as earlier versions did, untagged.
+/// - **Any other body** by its exact bytes ([`Fingerprint::of_bytes`]); then as the oldest
+///   versions did, as the JSON string of its hex.
+///
+/// That last fallback is the JSON fingerprint of a JSON string body holding that hex, and it
+/// once let a raw body take over a key a JSON body had left (or the reverse). It meets only
+/// untagged JSON fingerprints now, which no current version writes: a raw body and a JSON body
+/// whose keys were stored by this version never meet, whichever came first. Between two keys
+/// both stored before the tag, the old ambiguity stays (their rows are the same).
+fn fingerprints(method: &str, scoped: &Scoped) -> [Fingerprint; 2] {
+    let target = scoped.target.as_str();
+    if scoped.json {
+        let tagged = format!("{JSON_FINGERPRINT_TAG}{target}");
+        [
+            Fingerprint::of_json(method, &tagged, &scoped.params),
+            Fingerprint::of_json(method, target, &scoped.params),
+        ]
+    } else {
+        [
+            Fingerprint::of_bytes(method, target, &scoped.bytes),
+            Fingerprint::of_json(method, target, &scoped.params),
+        ]
+    }
+}
+
 /// Claims the key and, when acquired, runs the handler once and stores its final answer.
 async fn claimed<S>(layer: IdempotencyLayer, inner: S, scoped: Scoped) -> Result<Response, Response>
 where
@@ -180,13 +212,7 @@ where
     S::Error: std::fmt::Display + Send + 'static,
 {
     let method = scoped.parts.method.as_str().to_owned();
-    // A JSON body by its canonical form; any other by its bytes, under a fingerprint of another
-    // shape, so that the two kinds never meet.
-    let fingerprint = if scoped.json {
-        Fingerprint::of_json(&method, &scoped.target, &scoped.params)
-    } else {
-        Fingerprint::of_bytes(&method, &scoped.target, &scoped.bytes)
-    };
+    let fingerprints = fingerprints(&method, &scoped);
     let request = |fingerprint| NewRequest {
         owner: &scoped.owner,
         method: &method,
@@ -195,21 +221,19 @@ where
         fingerprint,
         params: &scoped.params,
     };
-    let mut claim = layer
-        .store
-        .claim::<OneStep>(request(fingerprint))
-        .await
-        .map_err(store_failed)?;
-    if matches!(claim, Claim::Mismatch) && !scoped.json {
-        // A key stored by a version that fingerprinted a raw body as the JSON string of its hex
-        // (a rolling deploy, a retry across the upgrade): the same body, asked again, must still
-        // replay or resume rather than be refused.
-        let legacy = Fingerprint::of_json(&method, &scoped.target, &scoped.params);
+    // The current fingerprint first; on a mismatch, those earlier versions stored, so that a
+    // key stored before an upgrade (a rolling deploy, a retry across it) still replays or
+    // resumes rather than being refused.
+    let mut claim = Claim::Mismatch;
+    for fingerprint in fingerprints {
         claim = layer
             .store
-            .claim::<OneStep>(request(legacy))
+            .claim::<OneStep>(request(fingerprint))
             .await
             .map_err(store_failed)?;
+        if !matches!(claim, Claim::Mismatch) {
+            break;
+        }
     }
     let mut lease = acquired_or_respond(claim)?;
 
