@@ -75,6 +75,18 @@
 //!   ([`idempotency::Error::LeaseUnconfirmed`]), or that fails with no beat left, aborts the
 //!   handler too: the key is released and the client gets 500.
 //!
+//! # Waiting for the holder
+//!
+//! A request whose key another request holds gets 409 with `Retry-After` at once, unless its
+//! client asks to wait: `Prefer: wait=N` (RFC 7240, seconds; capped by
+//! [`IdempotencyLayer::max_wait`], 10 s by default). It then waits up to N seconds for the holder
+//! to finish and answers with the stored answer, marked `Idempotent-Replayed: true`; if the holder
+//! lets the key go (a 5xx, a crash whose lease runs out), it claims the key itself and runs the
+//! handler as any retry would; past N, the usual 409. It holds no pooled connection while it waits:
+//! it reads the key now and then, each read a short statement on a pooled connection
+//! ([`idempotency::Store::wait_for_answer`]), so a storm of waiters cannot starve the pool.
+//! `wait=0`, and a malformed `wait` (`wait=abc`, `wait=1.5`), mean no wait.
+//!
 //! What the default mode cannot do: the handler's writes and the stored answer are not one
 //! transaction. If the process dies after the handler's effect and before the answer is stored
 //! (or the handler commits a write and then panics), the retry runs the handler again once the
@@ -143,6 +155,7 @@ mod body;
 mod claimed;
 mod disposition;
 mod headers;
+mod prefer;
 mod service;
 mod settle;
 mod transaction;
@@ -157,6 +170,7 @@ use idempotency::{Owner, Store};
 pub use claimed::{ClaimedKey, NOT_CLAIMED_DETAIL};
 pub use disposition::Disposition;
 pub use headers::{StoredHeaderError, DEFAULT_STORED_HEADERS, UNSTORABLE_HEADERS};
+pub use prefer::{wait_preference, DEFAULT_MAX_WAIT};
 pub use service::Idempotent;
 pub use transaction::{KeyConnection, KeyTransaction, NO_TRANSACTION_DETAIL};
 
@@ -194,6 +208,7 @@ pub struct IdempotencyLayer {
     max_stored_body: usize,
     stored_headers: Arc<[HeaderName]>,
     transactional: bool,
+    max_wait: Duration,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -204,6 +219,7 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("heartbeat", &self.heartbeat())
             .field("stored_headers", &self.stored_headers)
             .field("transactional", &self.transactional)
+            .field("max_wait", &self.max_wait)
             .finish_non_exhaustive()
     }
 }
@@ -225,6 +241,7 @@ impl IdempotencyLayer {
             max_stored_body: MAX_STORED_BODY,
             stored_headers: DEFAULT_STORED_HEADERS.map(HeaderName::from_static).into(),
             transactional: false,
+            max_wait: DEFAULT_MAX_WAIT,
         }
     }
 
@@ -246,6 +263,14 @@ impl IdempotencyLayer {
     /// ```
     pub fn transactional(mut self) -> Self {
         self.transactional = true;
+        self
+    }
+
+    /// The longest a duplicate waits for its key's holder when its client asks to
+    /// (`Prefer: wait=N`, RFC 7240): [`DEFAULT_MAX_WAIT`] (10 s) unless set. Zero turns waiting
+    /// off. See [waiting for the holder](self#waiting-for-the-holder).
+    pub fn max_wait(mut self, max: Duration) -> Self {
+        self.max_wait = max;
         self
     }
 

@@ -4,23 +4,27 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::{Request, StatusCode};
+use idempotency::wait::KeyState;
 use idempotency::{Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Owner};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use tokio::time::Instant;
 use tower::ServiceExt;
 
 use super::claimed::ClaimedKey;
+use super::prefer::wait_preference;
 use super::settle::{release, settle, Held};
 use super::transaction::{KeyTransaction, Returned};
 use super::{IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL};
 use crate::extract::key_from_headers;
 use crate::problem::{types, Problem};
-use crate::replay::acquired_or_respond;
+use crate::replay::{acquired_or_respond, replayed_response};
 
 /// The longest request target (path and query) kept as such in a key's scope; a longer one is
 /// kept as its SHA-256, within the key table's bound.
@@ -76,6 +80,8 @@ struct Scoped {
     /// The body is JSON and `params` is its value; otherwise `params` holds the hex of its
     /// bytes, and the fingerprint is taken of the bytes themselves.
     json: bool,
+    /// How long the client waits for a holder of its key to finish (`Prefer: wait=N`).
+    wait: Option<Duration>,
 }
 
 async fn handle<S>(
@@ -105,6 +111,7 @@ where
         format!("sha256:{}", hex::encode(Sha256::digest(target.as_bytes())))
     };
     let (params, json) = body_params(&bytes);
+    let wait = wait_preference(&parts.headers, layer.max_wait);
     let scoped = Scoped {
         parts,
         bytes,
@@ -114,6 +121,7 @@ where
         target,
         params,
         json,
+        wait,
     };
     // From the claim on, the work runs in a task of its own: hyper drops this future when the
     // client hangs up, and a claim, a handler or a store dropped half-way would leave the key
@@ -204,6 +212,30 @@ fn fingerprints(method: &str, scoped: &Scoped) -> [Fingerprint; 2] {
     }
 }
 
+/// Claims the key under each of its fingerprints in turn, the current one first, until one is
+/// not a mismatch: a key stored before an upgrade (a rolling deploy, a retry across it) still
+/// replays or resumes rather than being refused. Returns the claim and the fingerprint it was
+/// made under (the one a wait for its holder reads).
+async fn claim_any<'a>(
+    layer: &IdempotencyLayer,
+    fingerprints: &[Fingerprint; 2],
+    request: &impl Fn(Fingerprint) -> NewRequest<'a>,
+) -> Result<(Claim<OneStep>, Fingerprint), Response> {
+    let mut claimed = (Claim::Mismatch, fingerprints[0]);
+    for fingerprint in fingerprints {
+        let claim = layer
+            .store
+            .claim::<OneStep>(request(*fingerprint))
+            .await
+            .map_err(store_failed)?;
+        claimed = (claim, *fingerprint);
+        if !matches!(claimed.0, Claim::Mismatch) {
+            break;
+        }
+    }
+    Ok(claimed)
+}
+
 /// Claims the key and, when acquired, runs the handler once and stores its final answer.
 async fn claimed<S>(layer: IdempotencyLayer, inner: S, scoped: Scoped) -> Result<Response, Response>
 where
@@ -221,18 +253,30 @@ where
         fingerprint,
         params: &scoped.params,
     };
-    // The current fingerprint first; on a mismatch, those earlier versions stored, so that a
-    // key stored before an upgrade (a rolling deploy, a retry across it) still replays or
-    // resumes rather than being refused.
-    let mut claim = Claim::Mismatch;
-    for fingerprint in fingerprints {
-        claim = layer
-            .store
-            .claim::<OneStep>(request(fingerprint))
-            .await
-            .map_err(store_failed)?;
-        if !matches!(claim, Claim::Mismatch) {
+    let deadline = scoped.wait.map(|wait| Instant::now() + wait);
+    let (mut claim, mut held) = claim_any(&layer, &fingerprints, &request).await?;
+    // A duplicate whose client asked to wait: until the holder answers, lets the key go (the
+    // claim is then made again, and may acquire it), or the deadline comes.
+    while let (Claim::InFlight { .. }, Some(deadline)) = (&claim, deadline) {
+        if Instant::now() >= deadline {
             break;
+        }
+        match layer
+            .store
+            .wait_for_answer(&request(held), deadline)
+            .await
+            .map_err(store_failed)?
+        {
+            KeyState::Finished(stored) => return Err(replayed_response(&stored)),
+            KeyState::Held { lease_left } => {
+                claim = Claim::InFlight {
+                    retry_after: lease_left,
+                };
+                break;
+            }
+            KeyState::Absent | KeyState::Mismatch | KeyState::Claimable => {
+                (claim, held) = claim_any(&layer, &fingerprints, &request).await?;
+            }
         }
     }
     let mut lease = acquired_or_respond(claim)?;
