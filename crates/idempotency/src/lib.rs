@@ -73,6 +73,7 @@ pub use observe::{ClaimOutcome, Observer};
 pub use owner::{Owner, OwnerError, MAX_OWNER_LEN};
 pub use response::StoredResponse;
 pub use runner::{Completer, Pass, Reaper, Resumed};
+pub use store::wait;
 pub use store::{
     Abandoned, Autocommit, Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease,
     NewRequest, OneStep, OwnedFinalPhase, Phase, RecoveryPoint, Statements, Store,

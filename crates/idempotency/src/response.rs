@@ -17,9 +17,17 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// A JSON response with the given extra headers.
+    /// A JSON response with the given extra headers, sent with `Content-Type: application/json`
+    /// unless `extra` names a content type of its own (`application/problem+json`): a response
+    /// carries one content type.
     pub fn json(status: u16, body: &serde_json::Value, extra: Vec<(String, String)>) -> Self {
-        let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
+        let own_type = extra
+            .iter()
+            .any(|(name, _)| name.eq_ignore_ascii_case("content-type"));
+        let mut headers = Vec::with_capacity(extra.len() + 1);
+        if !own_type {
+            headers.push(("content-type".to_owned(), "application/json".to_owned()));
+        }
         headers.extend(extra);
         Self {
             status,
@@ -35,5 +43,41 @@ impl StoredResponse {
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_json_response_has_one_content_type_even_when_it_names_its_own() {
+        let problem = StoredResponse::json(
+            409,
+            &serde_json::json!({"type": "about:blank"}),
+            vec![
+                (
+                    "Content-Type".to_owned(),
+                    "application/problem+json".to_owned(),
+                ),
+                ("location".to_owned(), "/x".to_owned()),
+            ],
+        );
+        let types: Vec<_> = problem
+            .headers
+            .iter()
+            .filter(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+            .collect();
+        assert_eq!(types.len(), 1, "{:?}", problem.headers);
+        assert_eq!(
+            problem.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(problem.header("location"), Some("/x"));
+        let plain = StoredResponse::json(201, &serde_json::json!({}), vec![]);
+        assert_eq!(
+            plain.headers,
+            vec![("content-type".to_owned(), "application/json".to_owned())]
+        );
     }
 }

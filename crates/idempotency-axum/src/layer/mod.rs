@@ -62,7 +62,10 @@
 //! - **A JSON body is fingerprinted canonically** (key order and whitespace do not matter); any
 //!   other body, and JSON with a NUL character (which PostgreSQL's `jsonb` cannot hold), by its
 //!   exact bytes, under a fingerprint of another shape, so that a raw body never matches a JSON
-//!   one.
+//!   one, whichever came first: the raw body `hello` and the JSON string `"68656c6c6f"` (its hex)
+//!   under one key are two payloads (422). Keys stored by earlier versions, which fingerprinted
+//!   JSON bodies without a tag and raw bodies as the JSON string of their hex, still replay and
+//!   resume; two such keys from before the upgrade stay as ambiguous as they were stored.
 //! - **The lease is renewed while the handler runs** (every [`IdempotencyLayer::heartbeat`]), so
 //!   a handler slower than the lease TTL is not taken over by a retry and run twice at once. If a
 //!   renewal finds the lease taken over, the handler's task is aborted at its next await and its
@@ -71,6 +74,18 @@
 //!   one that does not answer before the lease would run out
 //!   ([`idempotency::Error::LeaseUnconfirmed`]), or that fails with no beat left, aborts the
 //!   handler too: the key is released and the client gets 500.
+//!
+//! # Waiting for the holder
+//!
+//! A request whose key another request holds gets 409 with `Retry-After` at once, unless its
+//! client asks to wait: `Prefer: wait=N` (RFC 7240, seconds; capped by
+//! [`IdempotencyLayer::max_wait`], 10 s by default). It then waits up to N seconds for the holder
+//! to finish and answers with the stored answer, marked `Idempotent-Replayed: true`; if the holder
+//! lets the key go (a 5xx, a crash whose lease runs out), it claims the key itself and runs the
+//! handler as any retry would; past N, the usual 409. It holds no pooled connection while it waits:
+//! it reads the key now and then, each read a short statement on a pooled connection
+//! ([`idempotency::Store::wait_for_answer`]), so a storm of waiters cannot starve the pool.
+//! `wait=0`, and a malformed `wait` (`wait=abc`, `wait=1.5`), mean no wait.
 //!
 //! What the default mode cannot do: the handler's writes and the stored answer are not one
 //! transaction. If the process dies after the handler's effect and before the answer is stored
@@ -140,6 +155,7 @@ mod body;
 mod claimed;
 mod disposition;
 mod headers;
+mod prefer;
 mod service;
 mod settle;
 mod transaction;
@@ -154,6 +170,7 @@ use idempotency::{Owner, Store};
 pub use claimed::{ClaimedKey, NOT_CLAIMED_DETAIL};
 pub use disposition::Disposition;
 pub use headers::{StoredHeaderError, DEFAULT_STORED_HEADERS, UNSTORABLE_HEADERS};
+pub use prefer::{wait_preference, DEFAULT_MAX_WAIT};
 pub use service::Idempotent;
 pub use transaction::{KeyConnection, KeyTransaction, NO_TRANSACTION_DETAIL};
 
@@ -191,6 +208,7 @@ pub struct IdempotencyLayer {
     max_stored_body: usize,
     stored_headers: Arc<[HeaderName]>,
     transactional: bool,
+    max_wait: Duration,
 }
 
 impl std::fmt::Debug for IdempotencyLayer {
@@ -201,6 +219,7 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("heartbeat", &self.heartbeat())
             .field("stored_headers", &self.stored_headers)
             .field("transactional", &self.transactional)
+            .field("max_wait", &self.max_wait)
             .finish_non_exhaustive()
     }
 }
@@ -222,6 +241,7 @@ impl IdempotencyLayer {
             max_stored_body: MAX_STORED_BODY,
             stored_headers: DEFAULT_STORED_HEADERS.map(HeaderName::from_static).into(),
             transactional: false,
+            max_wait: DEFAULT_MAX_WAIT,
         }
     }
 
@@ -243,6 +263,14 @@ impl IdempotencyLayer {
     /// ```
     pub fn transactional(mut self) -> Self {
         self.transactional = true;
+        self
+    }
+
+    /// The longest a duplicate waits for its key's holder when its client asks to
+    /// (`Prefer: wait=N`, RFC 7240): [`DEFAULT_MAX_WAIT`] (10 s) unless set. Zero turns waiting
+    /// off. See [waiting for the holder](self#waiting-for-the-holder).
+    pub fn max_wait(mut self, max: Duration) -> Self {
+        self.max_wait = max;
         self
     }
 

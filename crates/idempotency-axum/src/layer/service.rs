@@ -4,23 +4,27 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::{Request, StatusCode};
+use idempotency::wait::KeyState;
 use idempotency::{Claim, Fingerprint, IdempotencyKey, Lease, NewRequest, OneStep, Owner};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use tokio::time::Instant;
 use tower::ServiceExt;
 
 use super::claimed::ClaimedKey;
+use super::prefer::wait_preference;
 use super::settle::{release, settle, Held};
 use super::transaction::{KeyTransaction, Returned};
 use super::{IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL};
 use crate::extract::key_from_headers;
 use crate::problem::{types, Problem};
-use crate::replay::acquired_or_respond;
+use crate::replay::{acquired_or_respond, replayed_response};
 
 /// The longest request target (path and query) kept as such in a key's scope; a longer one is
 /// kept as its SHA-256, within the key table's bound.
@@ -76,6 +80,8 @@ struct Scoped {
     /// The body is JSON and `params` is its value; otherwise `params` holds the hex of its
     /// bytes, and the fingerprint is taken of the bytes themselves.
     json: bool,
+    /// How long the client waits for a holder of its key to finish (`Prefer: wait=N`).
+    wait: Option<Duration>,
 }
 
 async fn handle<S>(
@@ -105,6 +111,7 @@ where
         format!("sha256:{}", hex::encode(Sha256::digest(target.as_bytes())))
     };
     let (params, json) = body_params(&bytes);
+    let wait = wait_preference(&parts.headers, layer.max_wait);
     let scoped = Scoped {
         parts,
         bytes,
@@ -114,6 +121,7 @@ where
         target,
         params,
         json,
+        wait,
     };
     // From the claim on, the work runs in a task of its own: hyper drops this future when the
     // client hangs up, and a claim, a handler or a store dropped half-way would leave the key
@@ -172,6 +180,62 @@ fn holds_nul(value: &Value) -> bool {
     }
 }
 
+/// The tag that opens the target in a JSON body's fingerprint. No fingerprint of an earlier
+/// version has it (their targets start with `/`), so none of them can equal a current one.
+const JSON_FINGERPRINT_TAG: &str = "json ";
+
+/// The fingerprints the request may have been stored under, the current one first.
+///
+/// - **A JSON body** is fingerprinted canonically under a tagged target
+///   ([`JSON_FINGERPRINT_TAG`]); then as earlier versions did, untagged.
+/// - **Any other body** by its exact bytes ([`Fingerprint::of_bytes`]); then as the oldest
+///   versions did, as the JSON string of its hex.
+///
+/// That last fallback is the JSON fingerprint of a JSON string body holding that hex, and it
+/// once let a raw body take over a key a JSON body had left (or the reverse). It meets only
+/// untagged JSON fingerprints now, which no current version writes: a raw body and a JSON body
+/// whose keys were stored by this version never meet, whichever came first. Between two keys
+/// both stored before the tag, the old ambiguity stays (their rows are the same).
+fn fingerprints(method: &str, scoped: &Scoped) -> [Fingerprint; 2] {
+    let target = scoped.target.as_str();
+    if scoped.json {
+        let tagged = format!("{JSON_FINGERPRINT_TAG}{target}");
+        [
+            Fingerprint::of_json(method, &tagged, &scoped.params),
+            Fingerprint::of_json(method, target, &scoped.params),
+        ]
+    } else {
+        [
+            Fingerprint::of_bytes(method, target, &scoped.bytes),
+            Fingerprint::of_json(method, target, &scoped.params),
+        ]
+    }
+}
+
+/// Claims the key under each of its fingerprints in turn, the current one first, until one is
+/// not a mismatch: a key stored before an upgrade (a rolling deploy, a retry across it) still
+/// replays or resumes rather than being refused. Returns the claim and the fingerprint it was
+/// made under (the one a wait for its holder reads).
+async fn claim_any<'a>(
+    layer: &IdempotencyLayer,
+    fingerprints: &[Fingerprint; 2],
+    request: &impl Fn(Fingerprint) -> NewRequest<'a>,
+) -> Result<(Claim<OneStep>, Fingerprint), Response> {
+    let mut claimed = (Claim::Mismatch, fingerprints[0]);
+    for fingerprint in fingerprints {
+        let claim = layer
+            .store
+            .claim::<OneStep>(request(*fingerprint))
+            .await
+            .map_err(store_failed)?;
+        claimed = (claim, *fingerprint);
+        if !matches!(claimed.0, Claim::Mismatch) {
+            break;
+        }
+    }
+    Ok(claimed)
+}
+
 /// Claims the key and, when acquired, runs the handler once and stores its final answer.
 async fn claimed<S>(layer: IdempotencyLayer, inner: S, scoped: Scoped) -> Result<Response, Response>
 where
@@ -180,13 +244,7 @@ where
     S::Error: std::fmt::Display + Send + 'static,
 {
     let method = scoped.parts.method.as_str().to_owned();
-    // A JSON body by its canonical form; any other by its bytes, under a fingerprint of another
-    // shape, so that the two kinds never meet.
-    let fingerprint = if scoped.json {
-        Fingerprint::of_json(&method, &scoped.target, &scoped.params)
-    } else {
-        Fingerprint::of_bytes(&method, &scoped.target, &scoped.bytes)
-    };
+    let fingerprints = fingerprints(&method, &scoped);
     let request = |fingerprint| NewRequest {
         owner: &scoped.owner,
         method: &method,
@@ -195,21 +253,31 @@ where
         fingerprint,
         params: &scoped.params,
     };
-    let mut claim = layer
-        .store
-        .claim::<OneStep>(request(fingerprint))
-        .await
-        .map_err(store_failed)?;
-    if matches!(claim, Claim::Mismatch) && !scoped.json {
-        // A key stored by a version that fingerprinted a raw body as the JSON string of its hex
-        // (a rolling deploy, a retry across the upgrade): the same body, asked again, must still
-        // replay or resume rather than be refused.
-        let legacy = Fingerprint::of_json(&method, &scoped.target, &scoped.params);
-        claim = layer
+    let deadline = scoped.wait.map(|wait| Instant::now() + wait);
+    let (mut claim, mut held) = claim_any(&layer, &fingerprints, &request).await?;
+    // A duplicate whose client asked to wait: until the holder answers, lets the key go (the
+    // claim is then made again, and may acquire it), or the deadline comes.
+    while let (Claim::InFlight { .. }, Some(deadline)) = (&claim, deadline) {
+        if Instant::now() >= deadline {
+            break;
+        }
+        match layer
             .store
-            .claim::<OneStep>(request(legacy))
+            .wait_for_answer(&request(held), deadline)
             .await
-            .map_err(store_failed)?;
+            .map_err(store_failed)?
+        {
+            KeyState::Finished(stored) => return Err(replayed_response(&stored)),
+            KeyState::Held { lease_left } => {
+                claim = Claim::InFlight {
+                    retry_after: lease_left,
+                };
+                break;
+            }
+            KeyState::Absent | KeyState::Mismatch | KeyState::Claimable => {
+                (claim, held) = claim_any(&layer, &fingerprints, &request).await?;
+            }
+        }
     }
     let mut lease = acquired_or_respond(claim)?;
 

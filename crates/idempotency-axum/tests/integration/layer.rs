@@ -1001,3 +1001,123 @@ async fn a_claimed_key_asked_for_without_the_layer_is_a_500_problem() {
         idempotency_axum::layer::NOT_CLAIMED_DETAIL
     );
 }
+
+/// A handler that answers 503 while `failing` is set, and otherwise 201 with the body it got,
+/// byte for byte: whose payload ran shows in the answer.
+fn echoing(pool: &PgPool) -> (Router, Arc<AtomicBool>, Arc<AtomicUsize>) {
+    let failing = Arc::new(AtomicBool::new(true));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (f, c) = (failing.clone(), calls.clone());
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move |body: axum::body::Bytes| {
+                let (failing, calls) = (f.clone(), c.clone());
+                async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    if failing.load(Ordering::SeqCst) {
+                        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+                    }
+                    (StatusCode::CREATED, body).into_response()
+                }
+            }),
+        )
+        .route_layer(layer_for(pool));
+    (app, failing, calls)
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn a_raw_body_cannot_take_over_a_key_a_json_body_of_its_hex_left(pool: PgPool) {
+    let (app, failing, calls) = echoing(&pool);
+    // The JSON string of the hex of `hello`; the handler fails, the key is released.
+    let as_json = r#""68656c6c6f""#;
+    let (status, _, _) = read(post_with(&app, "/orders", "k1", Body::from(as_json)).await).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    failing.store(false, Ordering::SeqCst);
+    // The raw body `hello` under the key is another payload.
+    let (status, replayed, body) =
+        read(post_with(&app, "/orders", "k1", Body::from("hello")).await).await;
+    assert_eq!(
+        (status, replayed),
+        (StatusCode::UNPROCESSABLE_ENTITY, false),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the raw body ran nothing");
+    // The first payload, sent again, runs as itself and gets its own answer.
+    let (status, replayed, body) =
+        read(post_with(&app, "/orders", "k1", Body::from(as_json)).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    assert_eq!(body, as_json.as_bytes());
+    let (status, replayed, body) =
+        read(post_with(&app, "/orders", "k1", Body::from(as_json)).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true));
+    assert_eq!(body, as_json.as_bytes());
+    let (status, _, _) = read(post_with(&app, "/orders", "k1", Body::from("hello")).await).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn a_json_body_cannot_take_over_a_key_the_raw_body_of_its_hex_left(pool: PgPool) {
+    let (app, failing, calls) = echoing(&pool);
+    let as_json = r#""68656c6c6f""#;
+    let (status, _, _) = read(post_with(&app, "/orders", "k1", Body::from("hello")).await).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    failing.store(false, Ordering::SeqCst);
+    let (status, _, _) = read(post_with(&app, "/orders", "k1", Body::from(as_json)).await).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the JSON body ran nothing");
+    let (status, replayed, body) =
+        read(post_with(&app, "/orders", "k1", Body::from("hello")).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    assert_eq!(body, b"hello");
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn a_json_body_stored_under_the_untagged_fingerprint_still_replays(pool: PgPool) {
+    let (app, _, calls) = echoing(&pool);
+    // A key an earlier version stored for a JSON body: its fingerprint over the bare target.
+    let params = json!({"item": "tea"});
+    let store = Store::new(
+        pool.clone(),
+        Arc::new(DatabaseClock),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    let key = idempotency::IdempotencyKey::parse(b"k1").unwrap();
+    let claim = store
+        .claim::<idempotency::OneStep>(idempotency::NewRequest {
+            owner: &idempotency::Owner::from(1),
+            method: "POST",
+            route: "/orders",
+            key: &key,
+            fingerprint: idempotency::Fingerprint::of_json("POST", "/orders", &params),
+            params: &params,
+        })
+        .await
+        .unwrap();
+    let idempotency::Claim::Acquired(mut lease) = claim else {
+        panic!("a new key is acquired");
+    };
+    let stored = idempotency::StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: b"stored before the upgrade".to_vec(),
+    };
+    store
+        .final_phase(&mut lease)
+        .await
+        .unwrap()
+        .finish(&stored)
+        .await
+        .unwrap();
+    let body = r#"{ "item" : "tea" }"#;
+    let (status, replayed, answer) =
+        read(post_with(&app, "/orders", "k1", Body::from(body)).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true));
+    assert_eq!(answer, b"stored before the upgrade");
+    let (status, _, _) =
+        read(post_with(&app, "/orders", "k1", Body::from(r#"{"item": "coffee"}"#)).await).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}

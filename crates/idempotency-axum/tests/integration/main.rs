@@ -5,6 +5,7 @@ mod adversary;
 mod http;
 mod layer;
 mod transactional;
+mod wait;
 
 /// The template of the tests that begin by migrating (`#[testdb::test(template = …)]`): the
 /// store's migrations, run once per test binary instead of once per test.

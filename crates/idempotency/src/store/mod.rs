@@ -6,6 +6,7 @@
 //! | `claim.rs` | the claim: the read, the insert or the takeover; merged with the first phase |
 //! | `phase.rs` | phases and the final phase (fenced), lease renewal, release, abandon |
 //! | `maintenance.rs` | the completer's claim and backoff, the reaper, inspection (`find`, `list`) |
+//! | `wait.rs` | a key's state read without a claim, and the wait for its holder's answer |
 //! | `statements.rs` | prepared statements, or unnamed ones in explicit transactions behind a transaction pooler |
 //!
 //! # Statements and why they are shaped so
@@ -51,6 +52,7 @@ mod maintenance;
 mod model;
 mod phase;
 mod statements;
+pub mod wait;
 
 use sqlx::{Postgres, Transaction};
 
