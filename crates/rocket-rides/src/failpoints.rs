@@ -5,6 +5,10 @@
 //! Two ways to make a point fire:
 //! - a test **arms** it on the service's state: the next request that passes it stops right there
 //!   as if the process had died (no further phase, no lease release), and disarms it;
+//! - a test **arms a stand-still** at one of the points where a holder may be paused (a stopped
+//!   process, a frozen virtual machine): the next request that passes it stops there until the
+//!   test lets it go on ([`Failpoints::stand_still_at`]), so that the test can move the clock or
+//!   the gateway meanwhile;
 //! - a chaos run sets `ROCKET_RIDES_FAILPOINTS=after_ride_created=0.02,…` (with
 //!   `ROCKET_RIDES_FAILPOINT_SEED`) for the processes it spawns: a request passing a point exits
 //!   the whole process with that probability, with the point's exit code ([`exit_code`]), so the
@@ -39,7 +43,14 @@ pub const AFTER_FINISHED: &str = "after_finished";
 /// In the outbox drain, after a receipt was written and before its job is deleted.
 pub const AFTER_RECEIPT_EFFECT: &str = "after_receipt_effect";
 
-/// Every point, in the order of a request's life.
+/// Where a booking stands still, if a test armed it ([`Failpoints::stand_still_at`]): after a
+/// taken-over key's ride was read (`ChargeTarget::load`), before the charge step uses it.
+pub const AFTER_RIDE_LOADED: &str = "after_ride_loaded";
+/// Where a booking stands still, if a test armed it: after a gateway call's record was
+/// written (`record_attempt`), before the call leaves.
+pub const AFTER_CALL_RECORDED: &str = "after_call_recorded";
+
+/// Every crash point, in the order of a request's life.
 pub const ALL: [&str; 5] = [
     AFTER_RIDE_CREATED,
     AFTER_NEW_GENERATION,
@@ -82,12 +93,14 @@ pub fn point_of_exit_code(code: i32) -> Option<&'static str> {
 }
 
 #[cfg(feature = "failpoints")]
-pub use armed::Failpoints;
+pub use armed::{Failpoints, StandingStill};
 
 #[cfg(feature = "failpoints")]
 mod armed {
     use std::collections::{HashMap, HashSet};
     use std::sync::{Arc, Mutex};
+
+    use tokio::sync::oneshot;
 
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -98,6 +111,7 @@ mod armed {
     #[derive(Debug, Clone)]
     pub struct Failpoints {
         armed: Arc<Mutex<HashSet<&'static str>>>,
+        still: Arc<Mutex<HashMap<&'static str, Still>>>,
         crash: Arc<HashMap<&'static str, f64>>,
         rng: Arc<Mutex<StdRng>>,
         fresh_gateway_key: bool,
@@ -113,6 +127,7 @@ mod armed {
         fn default() -> Self {
             Self {
                 armed: Default::default(),
+                still: Default::default(),
                 crash: Default::default(),
                 rng: Arc::new(Mutex::new(StdRng::seed_from_u64(0))),
                 fresh_gateway_key: false,
@@ -167,6 +182,37 @@ mod armed {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(point);
+        }
+
+        /// Arms a stand-still at `point` ([`AFTER_RIDE_LOADED`], [`AFTER_CALL_RECORDED`]) for
+        /// the next request that passes it; the handle tells when it got there and lets it go
+        /// on.
+        pub fn stand_still_at(&self, point: &'static str) -> StandingStill {
+            let (reached_tx, reached) = oneshot::channel();
+            let (go_on, go_on_rx) = oneshot::channel();
+            let still = Still {
+                reached: reached_tx,
+                go_on: go_on_rx,
+            };
+            self.still
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(point, still);
+            StandingStill { reached, go_on }
+        }
+
+        /// Stands still at `point` if a test armed it, until the test lets it go on (or drops
+        /// its handle); disarms it.
+        pub async fn stand_still(&self, point: &'static str) {
+            let still = self
+                .still
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(point);
+            if let Some(still) = still {
+                let _ = still.reached.send(());
+                let _ = still.go_on.await;
+            }
         }
 
         /// Whether `point` is armed; disarms it.
@@ -224,6 +270,35 @@ mod armed {
         /// Whether the process runs without the commit watch.
         pub fn no_commit_watch(&self) -> bool {
             self.no_commit_watch
+        }
+    }
+
+    /// The service's side of an armed stand-still.
+    #[derive(Debug)]
+    struct Still {
+        reached: oneshot::Sender<()>,
+        go_on: oneshot::Receiver<()>,
+    }
+
+    /// A test's handle on a stand-still it armed.
+    #[derive(Debug)]
+    pub struct StandingStill {
+        reached: oneshot::Receiver<()>,
+        go_on: oneshot::Sender<()>,
+    }
+
+    impl StandingStill {
+        /// Resolves once a request stands still at the point. Panics if the point was armed
+        /// again, or the process's failpoints dropped, before any request got there.
+        pub async fn reached(&mut self) {
+            (&mut self.reached)
+                .await
+                .expect("a request stands still at the armed point");
+        }
+
+        /// Lets the request go on.
+        pub fn go_on(self) {
+            let _ = self.go_on.send(());
         }
     }
 
@@ -299,6 +374,9 @@ mod disarmed {
         pub fn fire(&self, _point: &'static str) -> bool {
             false
         }
+
+        /// Never armed: goes on at once.
+        pub async fn stand_still(&self, _point: &'static str) {}
 
         /// Never sabotaged.
         pub fn fresh_gateway_key(&self) -> bool {

@@ -131,14 +131,21 @@ pub(super) async fn charge(
                 Reconciled::NewGeneration => {}
             }
         }
-        // Every call's time is recorded before it leaves: a list waits for it to be over. The
-        // phase before a generation's first call stands for its record, unless the holder stood
-        // still since (its lease is running out by its own clock): then the call is recorded
-        // anew, as a resumed one is, and the fenced phase finds out whether the lease is still
-        // this holder's.
+        // Every call's time is recorded before it leaves, and the call leaves within one
+        // heartbeat of its record by the holder's own clock: a list waits for the calls to be
+        // over, and its range reaches the charges they make, counting from the record. The
+        // phase before a generation's first call stands for its record. A holder that stood
+        // still longer since its record (a paused process, even one whose lease nobody took
+        // meanwhile) records the call anew rather than send it late, and the fenced phase
+        // finds out whether the lease is still this holder's.
         let resumed = !target.fresh;
-        if resumed || state.store.lease_left(lease) < state.store.heartbeat() {
+        while !target.fresh || since_record(state, lease) >= state.store.heartbeat() {
             record_attempt(state, lease, &mut target).await?;
+            target.fresh = true;
+            state
+                .failpoints
+                .stand_still(crate::failpoints::AFTER_CALL_RECORDED)
+                .await;
         }
         target.fresh = false;
         let result = call_gateway(state, lease, &target).await?;
@@ -184,6 +191,16 @@ pub(super) async fn charge(
             other => return refusal_or_error(state, lease, target.ride_id, other).await,
         }
     }
+}
+
+/// How long ago the call's record was written, by the holder's own clock. The lease's clock was
+/// last set by the phase that wrote it (`record_attempt`, `next_generation`, or the claim with
+/// the first phase): nothing renews the lease between that phase and the send.
+fn since_record(state: &AppState, lease: &Lease<RidePoint>) -> std::time::Duration {
+    state
+        .store
+        .lease_ttl()
+        .saturating_sub(state.store.lease_left(lease))
 }
 
 /// Asks the gateway for the ride's charge under the current generation's key.

@@ -11,7 +11,9 @@ use std::time::Duration;
 use common::front::FrontAnswer;
 use common::{TestApp, RIDE};
 use fakestripe::Faults;
-use rocket_rides::config::{GatewayArgs, LeaseArgs, DEFAULT_GATEWAY_PROCESSING_BOUND};
+use rocket_rides::config::{
+    GatewayArgs, LeaseArgs, DEFAULT_GATEWAY_PROCESSING_BOUND, DEFAULT_LEASE_HEARTBEAT,
+};
 use rocket_rides::problem::types;
 use sqlx::PgPool;
 
@@ -483,6 +485,34 @@ async fn a_ride_left_by_an_earlier_version_waits_from_first_sight_before_it_is_r
     );
     assert_eq!(app.metric(ADOPTED).await, 1.0);
     assert_eq!(common::ride_state(&app, user_id).await.2, 1);
+}
+
+#[testdb::test(template = crate::common::migrated)]
+async fn a_first_call_a_heartbeat_after_its_phase_is_recorded_before_it_leaves(pool: PgPool) {
+    use rocket_rides::booking;
+    let (app, user_id, _) = common::fronted_app(pool).await;
+    let (mut lease, target) = first_phase_done(&app, user_id).await;
+    // More than a heartbeat went by between the first phase and the call, and most of the
+    // lease is left: the phase's time no longer stands for the call's.
+    assert!(
+        DEFAULT_LEASE_HEARTBEAT + Duration::from_secs(1) < common::TTL - DEFAULT_LEASE_HEARTBEAT
+    );
+    app.clock
+        .advance(DEFAULT_LEASE_HEARTBEAT + Duration::from_secs(1));
+    let expected = app.clock_now();
+    let booked = booking::run(&app.state, &mut lease, Some(target)).await;
+    assert_eq!(booked.map(|r| r.status).ok(), Some(201));
+    let attempted: time::OffsetDateTime =
+        sqlx::query_scalar("SELECT charge_attempted_at FROM rides WHERE user_id = $1")
+            .bind(user_id)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    // PostgreSQL keeps microseconds.
+    assert!(
+        (attempted - expected).abs() < time::Duration::milliseconds(1),
+        "the call recorded at {attempted}, when it left at {expected}"
+    );
 }
 
 #[testdb::test(template = crate::common::migrated)]

@@ -12,6 +12,7 @@ mod observability;
 mod online_plans;
 mod ops;
 mod owner_adversary;
+mod pauses;
 mod pooler;
 mod rides;
 mod settings;
