@@ -85,7 +85,7 @@ impl Check {
     }
 }
 
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 struct Ride {
     id: i64,
     user_id: i64,
@@ -102,7 +102,7 @@ struct Ride {
     adopted: bool,
 }
 
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 struct GatewayCharge {
     id: String,
     amount: i64,
@@ -147,14 +147,20 @@ pub(crate) async fn audit(
     facts: &RunFacts<'_>,
 ) -> anyhow::Result<Vec<InvariantResult>> {
     let evidence = Evidence::load(pool, gateway, logs, before, facts).await?;
-    Ok(CHECKS
+    Ok(judge(&evidence))
+}
+
+/// Every check of [`CHECKS`] over `evidence`, in its order: pure, so that each check can be
+/// tried on made-up evidence.
+fn judge(evidence: &Evidence<'_>) -> Vec<InvariantResult> {
+    CHECKS
         .iter()
         .map(|spec| {
             let mut check = Check::new(spec.name, spec.description);
-            (spec.run)(&evidence, &mut check);
+            (spec.run)(evidence, &mut check);
             check.result()
         })
-        .collect())
+        .collect()
 }
 
 /// One invariant: its name in the report, what it says, and the function that checks it.
@@ -702,3 +708,8 @@ fn is_final(answer: &Answer) -> bool {
 fn all_answers(log: &RequestLog) -> impl Iterator<Item = &Answer> {
     log.answers.iter().chain(log.late.iter())
 }
+
+/// Each check against made-up evidence: a run where everything held, and, per check, the damage
+/// it must find.
+#[cfg(test)]
+mod tests;
