@@ -1,0 +1,4 @@
+//! The crate's documentation beyond its first screen. Nothing to call here.
+
+#[doc = include_str!("modes.md")]
+pub mod modes {}
