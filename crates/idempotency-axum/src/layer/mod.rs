@@ -38,10 +38,16 @@
 //! [`IdempotencyLayer::with_disposition`] decides otherwise, from the answer's status, headers
 //! or extensions.
 //!
-//! - **Scope and fingerprint** take the method, the concrete path and the query (not the route
-//!   template): `POST /accounts/A/transfers` and `POST /accounts/B/transfers` are two requests
-//!   even with one key and one body. A path and query longer than 255 characters enter the
-//!   scope as their SHA-256.
+//! - **Scope and fingerprint.** A key is scoped by its owner, the method and the matched route
+//!   template (axum's `MatchedPath`: `/accounts/{id}/transfers`), as every key of the library
+//!   is; the concrete path and query go into the fingerprint. So `POST /accounts/A/transfers`
+//!   and `POST /accounts/B/transfers` with one key are one key with two payloads (422), and a
+//!   [`idempotency::Completer`] of the route finds
+//!   every key of it. Outside an axum router (no `MatchedPath`), the path and query are the
+//!   scope, as in earlier versions. A key an earlier version stored under the concrete path
+//!   still replays (or resumes): a new key under the template is first looked for there (one
+//!   read more for a new key only), and the old key answers instead. A scope longer than 255
+//!   characters is kept as its SHA-256.
 //! - **The handler sees the key it runs under**: a [`ClaimedKey`] in the request's extensions
 //!   (and an extractor) gives the key row's id, the request's UUID, the client's key and the
 //!   attempt number, so that the handler can derive a foreign idempotency key from the UUID
