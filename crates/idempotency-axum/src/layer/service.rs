@@ -20,6 +20,7 @@ use tower::ServiceExt;
 
 use super::claimed::ClaimedKey;
 use super::prefer::wait_preference;
+use super::retire::LAYER_TAG;
 use super::settle::{release, settle, Held};
 use super::transaction::{KeyTransaction, Returned};
 use super::{IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL};
@@ -82,6 +83,8 @@ struct Scoped {
     /// The path and query as sent: what the fingerprint covers.
     target: String,
     params: Value,
+    /// What the key stores as its parameters: `params`, the target and the layer's mark.
+    stored: Value,
     /// The body is JSON and `params` is its value; otherwise `params` holds the hex of its
     /// bytes, and the fingerprint is taken of the bytes themselves.
     json: bool,
@@ -119,6 +122,12 @@ where
     };
     let (params, json) = body_params(&bytes);
     let wait = wait_preference(&parts.headers, layer.max_wait);
+    let stored = Value::Object(serde_json::Map::from_iter([
+        (LAYER_TAG.to_owned(), Value::from(1)),
+        ("method".to_owned(), Value::from(parts.method.as_str())),
+        ("target".to_owned(), Value::from(target.as_str())),
+        ("body".to_owned(), params.clone()),
+    ]));
     let scoped = Scoped {
         parts,
         bytes,
@@ -128,6 +137,7 @@ where
         legacy_route,
         target,
         params,
+        stored,
         json,
         wait,
     };
@@ -268,7 +278,7 @@ where
         route: &scoped.route,
         key: &scoped.key,
         fingerprint,
-        params: &scoped.params,
+        params: &scoped.stored,
     };
     let deadline = scoped.wait.map(|wait| Instant::now() + wait);
     let (mut claim, mut held) = claim_any(&layer, &fingerprints, &request).await?;
