@@ -8,7 +8,9 @@ pub mod problem;
 mod replay;
 
 pub use extract::{RequiredKey, IDEMPOTENCY_KEY, KEY_MISSING_DETAIL, ONE_KEY_DETAIL};
-pub use layer::{wait_preference, ClaimedKey, Disposition, IdempotencyLayer, KeyTransaction};
+pub use layer::{
+    wait_preference, ClaimedKey, Disposition, IdempotencyLayer, KeyTransaction, Retirer,
+};
 pub use problem::{retry_after_seconds, Problem, PROBLEM_JSON};
 pub use replay::{
     acquired_or_respond, replayed_response, stored_response, IDEMPOTENT_REPLAYED,

@@ -38,10 +38,16 @@
 //! [`IdempotencyLayer::with_disposition`] decides otherwise, from the answer's status, headers
 //! or extensions.
 //!
-//! - **Scope and fingerprint** take the method, the concrete path and the query (not the route
-//!   template): `POST /accounts/A/transfers` and `POST /accounts/B/transfers` are two requests
-//!   even with one key and one body. A path and query longer than 255 characters enter the
-//!   scope as their SHA-256.
+//! - **Scope and fingerprint.** A key is scoped by its owner, the method and the matched route
+//!   template (axum's `MatchedPath`: `/accounts/{id}/transfers`), as every key of the library
+//!   is; the concrete path and query go into the fingerprint. So `POST /accounts/A/transfers`
+//!   and `POST /accounts/B/transfers` with one key are one key with two payloads (422), and a
+//!   [`idempotency::Completer`] or the [`Retirer`] of the route finds
+//!   every key of it. Outside an axum router (no `MatchedPath`), the path and query are the
+//!   scope, as in earlier versions. A key an earlier version stored under the concrete path
+//!   still replays (or resumes): a new key under the template is first looked for there (one
+//!   read more for a new key only), and the old key answers instead. A scope longer than 255
+//!   characters is kept as its SHA-256.
 //! - **The handler sees the key it runs under**: a [`ClaimedKey`] in the request's extensions
 //!   (and an extractor) gives the key row's id, the request's UUID, the client's key and the
 //!   attempt number, so that the handler can derive a foreign idempotency key from the UUID
@@ -86,6 +92,16 @@
 //! it reads the key now and then, each read a short statement on a pooled connection
 //! ([`idempotency::Store::wait_for_answer`]), so a storm of waiters cannot starve the pool.
 //! `wait=0`, and a malformed `wait` (`wait=abc`, `wait=1.5`), mean no wait.
+//!
+//! # Every key finishes
+//!
+//! A key whose holder died after the claim (the process was killed mid-handler) is taken over by
+//! its client's retry once the lease runs out, and the handler runs again. If no retry ever
+//! comes, the [`Retirer`] ([`IdempotencyLayer::retirer`]) finishes the key after a bound
+//! ([`DEFAULT_RETIRE_AFTER`], 24 h) with a stored 500 problem ([`RETIRED_TYPE`]) that says the
+//! outcome is unknown, so the unfinished keys' gauge comes back to zero and a late retry is told
+//! rather than run. The layer marks every key it writes (a member of the stored parameters, with
+//! the request's method and path), which is how the retirer tells them from the application's.
 //!
 //! What the default mode cannot do: the handler's writes and the stored answer are not one
 //! transaction. If the process dies after the handler's effect and before the answer is stored
@@ -156,6 +172,7 @@ mod claimed;
 mod disposition;
 mod headers;
 mod prefer;
+mod retire;
 mod service;
 mod settle;
 mod transaction;
@@ -171,6 +188,10 @@ pub use claimed::{ClaimedKey, NOT_CLAIMED_DETAIL};
 pub use disposition::Disposition;
 pub use headers::{StoredHeaderError, DEFAULT_STORED_HEADERS, UNSTORABLE_HEADERS};
 pub use prefer::{wait_preference, DEFAULT_MAX_WAIT};
+pub use retire::{
+    Retirer, DEFAULT_RETIRE_AFTER, DEFAULT_RETIRE_BATCH, MIN_RETIRE_AFTER, RETIRED_DETAIL,
+    RETIRED_TYPE,
+};
 pub use service::Idempotent;
 pub use transaction::{KeyConnection, KeyTransaction, NO_TRANSACTION_DETAIL};
 
@@ -264,6 +285,12 @@ impl IdempotencyLayer {
     pub fn transactional(mut self) -> Self {
         self.transactional = true;
         self
+    }
+
+    /// The retirement of this layer's keys whose holder died and whose client never came back
+    /// (see [`Retirer`]): run it beside the reaper, so that every key the layer claims finishes.
+    pub fn retirer(&self) -> Retirer {
+        Retirer::new(self.store.clone())
     }
 
     /// The longest a duplicate waits for its key's holder when its client asks to

@@ -7,6 +7,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
+use axum::extract::MatchedPath;
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::{Request, StatusCode};
@@ -19,6 +20,7 @@ use tower::ServiceExt;
 
 use super::claimed::ClaimedKey;
 use super::prefer::wait_preference;
+use super::retire::LAYER_TAG;
 use super::settle::{release, settle, Held};
 use super::transaction::{KeyTransaction, Returned};
 use super::{IdempotencyLayer, BAD_BODY_DETAIL, BODY_TOO_LARGE_DETAIL, LEASE_LOST_DETAIL};
@@ -72,11 +74,17 @@ struct Scoped {
     bytes: Bytes,
     key: IdempotencyKey,
     owner: Owner,
-    /// The path and query, or their SHA-256 when too long for the scope.
-    scope_target: String,
+    /// The route the key is scoped by: the matched route template (`/accounts/{id}/transfers`),
+    /// or, outside an axum router, the path and query as earlier versions scoped every key.
+    route: String,
+    /// The scope of earlier versions (the path and query), where it differs from `route`: a key
+    /// stored there before the upgrade must still replay.
+    legacy_route: Option<String>,
     /// The path and query as sent: what the fingerprint covers.
     target: String,
     params: Value,
+    /// What the key stores as its parameters: `params`, the target and the layer's mark.
+    stored: Value,
     /// The body is JSON and `params` is its value; otherwise `params` holds the hex of its
     /// bytes, and the fingerprint is taken of the bytes themselves.
     json: bool,
@@ -105,21 +113,31 @@ where
         .uri
         .path_and_query()
         .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
-    let scope_target = if target.len() <= MAX_SCOPE_TARGET {
-        target.clone()
-    } else {
-        format!("sha256:{}", hex::encode(Sha256::digest(target.as_bytes())))
+    let concrete = scope_of(&target);
+    let (route, legacy_route) = match parts.extensions.get::<MatchedPath>() {
+        Some(template) if scope_of(template.as_str()) != concrete => {
+            (scope_of(template.as_str()), Some(concrete))
+        }
+        _ => (concrete, None),
     };
     let (params, json) = body_params(&bytes);
     let wait = wait_preference(&parts.headers, layer.max_wait);
+    let stored = Value::Object(serde_json::Map::from_iter([
+        (LAYER_TAG.to_owned(), Value::from(1)),
+        ("method".to_owned(), Value::from(parts.method.as_str())),
+        ("target".to_owned(), Value::from(target.as_str())),
+        ("body".to_owned(), params.clone()),
+    ]));
     let scoped = Scoped {
         parts,
         bytes,
         key,
         owner,
-        scope_target,
+        route,
+        legacy_route,
         target,
         params,
+        stored,
         json,
         wait,
     };
@@ -129,6 +147,15 @@ where
     match tokio::spawn(claimed(layer, inner, scoped)).await {
         Ok(answer) => answer,
         Err(e) => Err(internal_response(&format!("the claimed work failed: {e}"))),
+    }
+}
+
+/// A route as a key's scope holds it: itself, or its SHA-256 when too long for the column.
+fn scope_of(route: &str) -> String {
+    if route.len() <= MAX_SCOPE_TARGET {
+        route.to_owned()
+    } else {
+        format!("sha256:{}", hex::encode(Sha256::digest(route.as_bytes())))
     }
 }
 
@@ -248,10 +275,10 @@ where
     let request = |fingerprint| NewRequest {
         owner: &scoped.owner,
         method: &method,
-        route: &scoped.scope_target,
+        route: &scoped.route,
         key: &scoped.key,
         fingerprint,
-        params: &scoped.params,
+        params: &scoped.stored,
     };
     let deadline = scoped.wait.map(|wait| Instant::now() + wait);
     let (mut claim, mut held) = claim_any(&layer, &fingerprints, &request).await?;
@@ -276,6 +303,32 @@ where
             }
             KeyState::Absent | KeyState::Mismatch | KeyState::Claimable => {
                 (claim, held) = claim_any(&layer, &fingerprints, &request).await?;
+            }
+        }
+    }
+    if let (Claim::Acquired(lease), Some(legacy_route)) = (&claim, &scoped.legacy_route) {
+        // A new key under the template: an earlier version may have stored it under the
+        // concrete path. That key answers instead, and the new one is let go.
+        if lease.attempts() == 1 {
+            let legacy = |fingerprint| NewRequest {
+                route: legacy_route,
+                ..request(fingerprint)
+            };
+            let state = layer
+                .store
+                .key_state(&legacy(fingerprints[0]))
+                .await
+                .map_err(store_failed)?;
+            if state != KeyState::Absent {
+                let Claim::Acquired(lease) = claim else {
+                    unreachable!("matched as acquired above")
+                };
+                layer
+                    .store
+                    .abandon_or_release(lease)
+                    .await
+                    .map_err(store_failed)?;
+                claim = claim_any(&layer, &fingerprints, &legacy).await?.0;
             }
         }
     }

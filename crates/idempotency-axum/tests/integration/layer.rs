@@ -239,41 +239,105 @@ fn counting() -> (
     (calls, handler)
 }
 
-#[testdb::test(template = crate::migrated)]
-async fn the_concrete_path_and_query_are_part_of_the_scope(pool: PgPool) {
-    idempotency::migrate(&pool).await.unwrap();
+/// The router of `/accounts/{id}/transfers`, with a counting handler.
+fn transfers(pool: &PgPool) -> (Router, Arc<AtomicUsize>) {
     let (calls, handler) = counting();
     let app = Router::new()
         .route(
             "/accounts/{id}/transfers",
             post(move || std::future::ready(handler())),
         )
-        .route_layer(layer_for(&pool));
+        .route_layer(layer_for(pool));
+    (app, calls)
+}
+
+async fn scopes(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT request_path FROM idempotency_keys ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn keys_are_scoped_by_the_route_template_and_the_concrete_path_is_the_payload(pool: PgPool) {
+    let (app, calls) = transfers(&pool);
     let body = || Body::from(r#"{"amount": 5}"#);
-    for path in [
-        "/accounts/A/transfers",
-        "/accounts/B/transfers",
-        "/accounts/B/transfers?note=x",
-    ] {
-        let (status, replayed, _) = read(post_with(&app, path, "k1", body()).await).await;
-        assert_eq!((status, replayed), (StatusCode::CREATED, false), "{path}");
-    }
-    assert_eq!(
-        calls.load(Ordering::SeqCst),
-        3,
-        "three resources, three transfers"
-    );
-    // The same resource again is a replay.
-    let (_, replayed, answer) =
-        read(post_with(&app, "/accounts/B/transfers", "k1", body()).await).await;
-    assert!(replayed);
-    assert_eq!(answer, b"call 2");
-    // A target longer than the scope column is kept by its hash, and still replays.
-    let long = format!("/accounts/{}/transfers", "L".repeat(400));
-    let (status, replayed, _) = read(post_with(&app, &long, "k1", body()).await).await;
+    let (status, replayed, _) =
+        read(post_with(&app, "/accounts/A/transfers", "k1", body()).await).await;
     assert_eq!((status, replayed), (StatusCode::CREATED, false));
-    let (_, replayed, _) = read(post_with(&app, &long, "k1", body()).await).await;
+    assert_eq!(scopes(&pool).await, ["/accounts/{id}/transfers"]);
+    // The same key on another resource, or with a query, is the same key with another payload.
+    for path in ["/accounts/B/transfers", "/accounts/A/transfers?note=x"] {
+        let (status, _, _) = read(post_with(&app, path, "k1", body()).await).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{path}");
+    }
+    // Another key on another resource is another request; the first still replays.
+    let (status, replayed, _) =
+        read(post_with(&app, "/accounts/B/transfers", "k2", body()).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    let (_, replayed, answer) =
+        read(post_with(&app, "/accounts/A/transfers", "k1", body()).await).await;
     assert!(replayed);
+    assert_eq!(answer, b"call 1");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    // A path longer than the scope column is only in the fingerprint now.
+    let long = format!("/accounts/{}/transfers", "L".repeat(400));
+    let (status, replayed, _) = read(post_with(&app, &long, "k3", body()).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false));
+    let (_, replayed, _) = read(post_with(&app, &long, "k3", body()).await).await;
+    assert!(replayed);
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn a_key_stored_under_its_concrete_path_by_an_earlier_version_still_replays(pool: PgPool) {
+    let (app, calls) = transfers(&pool);
+    // What an earlier version stored: the concrete path as the scope and the fingerprint's
+    // route, the JSON fingerprint untagged.
+    let params = json!({"amount": 5});
+    let path = "/accounts/A/transfers";
+    let store = Store::new(
+        pool.clone(),
+        Arc::new(DatabaseClock),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    let key = idempotency::IdempotencyKey::parse(b"k1").unwrap();
+    let claim = store
+        .claim::<idempotency::OneStep>(idempotency::NewRequest {
+            owner: &idempotency::Owner::from(1),
+            method: "POST",
+            route: path,
+            key: &key,
+            fingerprint: idempotency::Fingerprint::of_json("POST", path, &params),
+            params: &params,
+        })
+        .await
+        .unwrap();
+    let idempotency::Claim::Acquired(mut lease) = claim else {
+        panic!("a new key is acquired");
+    };
+    let stored = idempotency::StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: b"stored before the upgrade".to_vec(),
+    };
+    store
+        .final_phase(&mut lease)
+        .await
+        .unwrap()
+        .finish(&stored)
+        .await
+        .unwrap();
+    let (status, replayed, answer) =
+        read(post_with(&app, path, "k1", Body::from(r#"{"amount": 5}"#)).await).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true));
+    assert_eq!(answer, b"stored before the upgrade");
+    let (status, _, _) =
+        read(post_with(&app, path, "k1", Body::from(r#"{"amount": 6}"#)).await).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    // The new key the template claim made on the way was let go.
+    assert_eq!(scopes(&pool).await, [path]);
 }
 
 #[testdb::test(template = crate::migrated)]

@@ -4,6 +4,7 @@
 mod adversary;
 mod http;
 mod layer;
+mod retire;
 mod transactional;
 mod wait;
 

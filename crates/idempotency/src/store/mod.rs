@@ -6,6 +6,7 @@
 //! | `claim.rs` | the claim: the read, the insert or the takeover; merged with the first phase |
 //! | `phase.rs` | phases and the final phase (fenced), lease renewal, release, abandon |
 //! | `maintenance.rs` | the completer's claim and backoff, the reaper, inspection (`find`, `list`) |
+//! | `retire.rs` | retirement: a final answer for abandoned keys that no completer can finish |
 //! | `wait.rs` | a key's state read without a claim, and the wait for its holder's answer |
 //! | `statements.rs` | prepared statements, or unnamed ones in explicit transactions behind a transaction pooler |
 //!
@@ -51,6 +52,7 @@ mod claim;
 mod maintenance;
 mod model;
 mod phase;
+mod retire;
 mod statements;
 pub mod wait;
 
