@@ -138,14 +138,23 @@ pub(super) async fn charge(
         // still longer since its record (a paused process, even one whose lease nobody took
         // meanwhile) records the call anew rather than send it late, and the fenced phase
         // finds out whether the lease is still this holder's.
+        // The statement that records the call also decides, against the database's clock,
+        // whether the generation is past the key window: a holder that stood still since it
+        // read its ride must not call under a key the gateway may have forgotten.
         let resumed = !target.fresh;
         while !target.fresh || since_record(state, lease) >= state.store.heartbeat() {
-            record_attempt(state, lease, &mut target).await?;
+            if record_attempt(state, lease, &mut target).await? == Window::Past {
+                break;
+            }
             target.fresh = true;
             state
                 .failpoints
                 .stand_still(crate::failpoints::AFTER_CALL_RECORDED)
                 .await;
+        }
+        if target.past_window {
+            // Nothing was sent: reconcile first.
+            continue;
         }
         target.fresh = false;
         let result = call_gateway(state, lease, &target).await?;
@@ -260,29 +269,62 @@ pub(super) async fn under_lease<T>(
     }
 }
 
-/// Records, before a resumed call leaves, that the current generation's key is being used now.
-/// A phase of its own (fenced), so that the time is on the ride before the gateway can act.
+/// Whether the current generation of the gateway key is past the key window, as the call's
+/// record found it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Window {
+    /// Within the window: the call is recorded and may leave.
+    Within,
+    /// Past it: no call may leave under this generation's key before a reconciliation. The
+    /// last call's record is kept (a ride of an earlier version, which had none, gets one now,
+    /// for the list to wait from); `target.past_window` is set.
+    Past,
+}
+
+/// Records, before a call leaves, that the current generation's key is being used now. A phase
+/// of its own (fenced), so that the time is on the ride before the gateway can act; the same
+/// statement decides, against the database's clock, whether the generation is past the key
+/// window, so that a holder that stood still since it read its ride does not call under a key
+/// the gateway may have forgotten.
 pub(super) async fn record_attempt(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
     target: &mut ChargeTarget,
-) -> Result<(), BookingError> {
+) -> Result<Window, BookingError> {
     let user_id = rider(lease)?;
+    let window = state.gateway_key_window.as_millis().min(i64::MAX as u128) as i64;
     let point = lease.recovery_point();
     let mut phase = state.store.phase(lease, point).await?;
-    target.attempted_at = sqlx::query_scalar(
-        "UPDATE rides SET charge_attempted_at = coalesce($3::timestamptz, now()),
-                          updated_at = now()
-         WHERE id = $1 AND user_id = $2
-         RETURNING charge_attempted_at",
+    // Past the window, no call leaves: the last call's time stays what it was, unless none
+    // was recorded (a ride of an earlier version).
+    let (attempted_at, past_window): (OffsetDateTime, bool) = sqlx::query_as(
+        r#"
+        UPDATE rides SET charge_attempted_at = CASE
+                             WHEN charge_attempted_at IS NOT NULL
+                              AND charge_generation_at
+                                  <= coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+                             THEN charge_attempted_at
+                             ELSE coalesce($3::timestamptz, now()) END,
+                         updated_at = now()
+        WHERE id = $1 AND user_id = $2
+        RETURNING charge_attempted_at,
+                  charge_generation_at
+                      <= coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+        "#,
     )
     .bind(target.ride_id)
     .bind(user_id)
     .bind(state.store.now())
+    .bind(window)
     .persistent(state.store.persistent())
     .fetch_one(phase.conn())
     .await
     .map_err(db("record the gateway call"))?;
     phase.commit().await?;
-    Ok(())
+    target.attempted_at = attempted_at;
+    if past_window {
+        target.past_window = true;
+        return Ok(Window::Past);
+    }
+    Ok(Window::Within)
 }

@@ -265,7 +265,14 @@ pub async fn run(
             RidePoint::RideCreated => {
                 let target = match known.take() {
                     Some(target) => target,
-                    None => ChargeTarget::load(state, lease).await?,
+                    None => {
+                        let target = ChargeTarget::load(state, lease).await?;
+                        state
+                            .failpoints
+                            .stand_still(crate::failpoints::AFTER_RIDE_LOADED)
+                            .await;
+                        target
+                    }
                 };
                 charge(state, lease, target).await?
             }

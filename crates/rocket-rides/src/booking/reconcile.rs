@@ -19,8 +19,9 @@ use crate::stripe::{Charge, ChargeError, Refusal};
 
 /// How far a reconciling list reaches before the recorded first attempt and after the last call's
 /// processing bound: the gateway stamps `created` with its own clock, which may be behind or
-/// ahead of ours. Charges of other requests that the wider range brings in are told apart by
-/// their metadata.
+/// ahead of ours. Clocks only: how late a call may leave after its record is the heartbeat's
+/// part of the range, not the skew's. Charges of other requests that the wider range brings in
+/// are told apart by their metadata.
 pub const RECONCILE_CLOCK_SKEW: time::Duration = time::Duration::minutes(10);
 
 /// Why the current gateway key cannot simply be asked again: its outcome is found by listing
@@ -231,14 +232,20 @@ pub(super) async fn keep_doubt(
 ///
 /// The range is bounded at both ends, each widened by the clock skew allowed between us and the
 /// gateway: no charge of the request can be older than its first attempt, nor younger than the
-/// last call plus the gateway's processing bound. A key stuck for months lists months of nothing.
+/// last call's record plus one heartbeat (a call leaves within one of its record, by the holder's
+/// own clock: `since_record` in `charge.rs`) plus the gateway's processing bound. The heartbeat
+/// comes from `--lease-heartbeat`, up to half an hour, so the skew need not cover it. A key
+/// stuck for months lists months of nothing.
 async fn find_own_charge(
     state: &AppState,
     lease: &mut Lease<RidePoint>,
     target: &ChargeTarget,
 ) -> Result<Option<Charge>, BookingError> {
     let since = (target.first_attempt_at - RECONCILE_CLOCK_SKEW).unix_timestamp();
-    let until = (target.attempted_at + state.gateway_processing_bound + RECONCILE_CLOCK_SKEW)
+    let until = (target.attempted_at
+        + state.store.heartbeat()
+        + state.gateway_processing_bound
+        + RECONCILE_CLOCK_SKEW)
         .unix_timestamp();
     let mut listed = list(state, lease, Some(&target.customer), since, until).await?;
     if let Err(ChargeError::Refused(refusal)) = &listed {

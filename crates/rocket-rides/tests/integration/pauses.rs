@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{TestApp, RIDE};
 use fakestripe::Faults;
 use rocket_rides::config::{GatewayArgs, LeaseArgs};
-use rocket_rides::failpoints::AFTER_CALL_RECORDED;
+use rocket_rides::failpoints::{AFTER_CALL_RECORDED, AFTER_RIDE_LOADED};
 use rocket_rides::problem::types;
 use sqlx::PgPool;
 
@@ -34,6 +34,7 @@ async fn short_limits(pool: PgPool) -> (TestApp, i64, String) {
     (app, user_id, api_key)
 }
 
+const ADOPTED: &str = "gateway_reconciliations_total{outcome=\"adopted\"}";
 const WINDOW: Duration = Duration::from_secs(20);
 const HEARTBEAT: Duration = Duration::from_secs(2);
 
@@ -104,4 +105,43 @@ async fn a_call_that_stood_still_after_its_record_is_recorded_again_before_it_le
     let (status, charge_id, generation) = common::ride_state(&app, user_id).await;
     assert_eq!((status.as_str(), generation), ("paid", 1));
     assert_eq!(done.json()["charge_id"].as_str(), charge_id.as_deref());
+}
+
+#[testdb::test(template = crate::common::migrated)]
+async fn a_holder_that_stood_still_after_reading_its_ride_past_the_window_reconciles_instead_of_calling(
+    pool: PgPool,
+) {
+    let (app, user_id, api_key) = short_limits(pool).await;
+    // The first attempt charges, and its answer is lost.
+    app.set_faults(Faults {
+        drop_after_charge: 1.0,
+        ..Faults::none()
+    });
+    let first = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    app.set_faults(Faults::none());
+    assert_eq!(app.charges().await, 1);
+
+    // Half a second before the window ends, a retry takes the key over and reads its ride:
+    // inside the window. It stands still there.
+    app.clock.advance(WINDOW - Duration::from_millis(500));
+    let mut still = app.state.failpoints.stand_still_at(AFTER_RIDE_LOADED);
+    let retry = post_in_background(&app, &api_key);
+    still.reached().await;
+    // It goes on a second later, past the window, when the gateway may have forgotten the key;
+    // this one has.
+    app.clock.advance(Duration::from_secs(1));
+    app.gateway.forget_keys(Duration::ZERO).await.unwrap();
+    still.go_on();
+    let retried = retry.await.unwrap();
+    assert_eq!(retried.status, 201, "{retried:?}");
+    assert_eq!(
+        app.charges().await,
+        1,
+        "the first charge, found by the list, not made again under the forgotten key"
+    );
+    assert_eq!(app.metric(ADOPTED).await, 1.0);
+    let (status, charge_id, generation) = common::ride_state(&app, user_id).await;
+    assert_eq!((status.as_str(), generation), ("paid", 1));
+    assert_eq!(retried.json()["charge_id"].as_str(), charge_id.as_deref());
 }
