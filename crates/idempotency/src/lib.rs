@@ -55,9 +55,17 @@ pub mod lease;
 pub mod migrate;
 pub mod observe;
 mod owner;
+mod points;
 mod response;
 pub mod runner;
 mod store;
+pub mod workflow;
+
+#[doc(hidden)]
+pub mod __private {
+    //! What [`recovery_points!`](crate::recovery_points) expands to; not an API.
+    pub use crate::points::names_are_valid;
+}
 
 pub use canonical::canonicalize;
 pub use clock::{Clock, DatabaseClock, ManualClock};
@@ -75,9 +83,10 @@ pub use response::StoredResponse;
 pub use runner::{Completer, Pass, Reaper, Resumed};
 pub use store::{
     Abandoned, Autocommit, Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease,
-    NewRequest, OneStep, OwnedFinalPhase, Phase, RecoveryPoint, Statements, Store,
-    DEFAULT_LEASE_TTL,
+    NewRequest, OneStep, OwnedFinalPhase, Phase, RecoveryPoint, Statements, Store, StoreBuilder,
+    DEFAULT_LEASE_TTL, DEFAULT_RETENTION,
 };
 /// The time type of [`ManualClock::new`], [`Clock::now`] and the store's timestamps.
 pub use time::OffsetDateTime;
 pub use uuid::Uuid;
+pub use workflow::{Advance, Halt, Outcome, Request, Step, Workflow};
