@@ -4,6 +4,7 @@
 mod adversary;
 mod http;
 mod layer;
+mod run;
 mod transactional;
 
 /// The template of the tests that begin by migrating (`#[testdb::test(template = …)]`): the
