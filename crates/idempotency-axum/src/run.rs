@@ -1,15 +1,5 @@
 //! A multi-step handler in one call: [`run`] runs a [`Workflow`] for the request and answers its
 //! [`Outcome`]; [`respond`] is that answer, for an outcome obtained otherwise.
-//!
-//! | outcome | answer |
-//! |---|---|
-//! | `Answered` | the stored answer, as it will be replayed |
-//! | `Replayed` | the stored answer with `Idempotent-Replayed: true` |
-//! | `Mismatch` | 422 problem+json |
-//! | `InFlight` | 409 problem+json, `Retry-After` (at most [`MAX_IN_FLIGHT_RETRY_AFTER`]) |
-//! | `RetryLater` | 503 problem+json, `Retry-After` |
-//! | `Lost` | 409 problem+json: the request that took the key over answers |
-//! | `Failed` | 500 problem+json, no detail of the cause (it goes to the log) |
 
 use std::sync::Arc;
 
@@ -55,7 +45,17 @@ pub async fn run<W: Workflow>(store: &Store, workflow: &Arc<W>, request: Request
     respond(store.run(workflow, request).await)
 }
 
-/// The HTTP answer to `outcome` (see the [module](self) for the table).
+/// The HTTP answer to `outcome`, in one conversion:
+///
+/// | outcome | answer |
+/// |---|---|
+/// | `Answered` | the stored answer, as it will be replayed |
+/// | `Replayed` | the stored answer with `Idempotent-Replayed: true` |
+/// | `Mismatch` | 422 problem+json |
+/// | `InFlight` | 409 problem+json, `Retry-After` (at most [`MAX_IN_FLIGHT_RETRY_AFTER`]) |
+/// | `RetryLater` | 503 problem+json, `Retry-After` |
+/// | `Lost` | 409 problem+json: the request that took the key over answers |
+/// | `Failed` | 500 problem+json, no detail of the cause (it goes to the log) |
 pub fn respond(outcome: Outcome) -> Response {
     match outcome {
         Outcome::Answered(answer) => stored_response(&answer),
