@@ -6,6 +6,7 @@ pub mod guide;
 pub mod layer;
 pub mod problem;
 mod replay;
+mod run;
 
 pub use extract::{RequiredKey, IDEMPOTENCY_KEY, KEY_MISSING_DETAIL, ONE_KEY_DETAIL};
 pub use layer::{
@@ -16,6 +17,7 @@ pub use replay::{
     acquired_or_respond, replayed_response, stored_response, IDEMPOTENT_REPLAYED,
     KEY_IN_FLIGHT_DETAIL, KEY_REUSED_DETAIL, MAX_IN_FLIGHT_RETRY_AFTER,
 };
+pub use run::{respond, run, FAILED_DETAIL, RETRY_LATER_DETAIL, TAKEN_OVER_DETAIL};
 
 #[cfg(test)]
 mod tests {

@@ -32,6 +32,11 @@ pub mod types {
     /// Another request with the key took its lease over while the handler ran; this one was
     /// stopped, and that one answers (409).
     pub const LEASE_LOST: &str = "urn:problem:idempotency:lease-lost";
+    /// A transient failure (a foreign system away, an unconfirmed commit): the key was released
+    /// at the point reached, and a retry resumes there (503, with `Retry-After`).
+    pub const RETRY_LATER: &str = "urn:problem:idempotency:retry-later";
+    /// A workflow's run failed for a reason that is not transient; the key was released (500).
+    pub const REQUEST_FAILED: &str = "urn:problem:idempotency:request-failed";
 }
 
 /// A problem+json response. Building one has no side effects: log before you return it.

@@ -1,44 +1,73 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
-mod canonical;
+pub mod canonical;
 mod clock;
 pub mod commit_watch;
 mod error;
 mod fingerprint;
 pub mod guide;
-mod key;
+pub mod key;
 pub mod lease;
 pub mod migrate;
 pub mod observe;
-mod owner;
+pub mod owner;
+mod points;
 mod response;
 pub mod runner;
-mod store;
+pub mod store;
+pub mod workflow;
 
-pub use canonical::canonicalize;
+#[doc(hidden)]
+pub mod __private {
+    //! What [`recovery_points!`](crate::recovery_points) expands to; not an API.
+    pub use crate::points::names_are_valid;
+}
+
+// The root: the one path (a workflow run by the store, its answer, the completer and the reaper)
+// in 21 names, `recovery_points!` included. Experts' tools are in the modules: `store` (the
+// claim, phases, leases, statements, the builder), `runner` (the closure-based completer),
+// `migrate`, `observe`, `lease`, `commit_watch`, `key`, `owner`, `canonical`.
 pub use clock::{Clock, DatabaseClock, ManualClock};
 pub use error::Error;
 pub use fingerprint::Fingerprint;
-pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};
-pub use lease::LEASE_LOG;
-pub use migrate::{
-    migrate, migrate_online, migrate_with, migrate_with_files, OnlinePlan, BACKFILL_BATCH,
-    LOCK_TIMEOUT_MESSAGE, MIGRATIONS_TABLE, MIGRATION_LOCK_TIMEOUT, STEP_LOCK_TIMEOUT,
-};
-pub use observe::{ClaimOutcome, Observer};
-pub use owner::{Owner, OwnerError, MAX_OWNER_LEN};
+pub use key::IdempotencyKey;
+pub use migrate::migrate;
+pub use owner::Owner;
 pub use response::StoredResponse;
-pub use runner::{Completer, Pass, Reaper, Resumed};
-pub use store::wait;
-pub use store::{
-    Abandoned, Autocommit, Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease,
-    NewRequest, OneStep, OwnedFinalPhase, Phase, RecoveryPoint, Statements, Store,
-    DEFAULT_LEASE_TTL,
-};
+pub use runner::Reaper;
+pub use store::{RecoveryPoint, Store};
 /// The time type of [`ManualClock::new`], [`Clock::now`] and the store's timestamps.
 pub use time::OffsetDateTime;
 pub use uuid::Uuid;
+pub use workflow::{Advance, Halt, Outcome, Request, Step, Workflow};
+
+// The paths of earlier versions, kept (hidden) so that code written against them compiles while
+// it moves to the modules above; new code names the module.
+#[doc(hidden)]
+pub use canonical::canonicalize;
+#[doc(hidden)]
+pub use key::{KeyError, KEY_PATTERN, MAX_KEY_LEN};
+#[doc(hidden)]
+pub use lease::LEASE_LOG;
+#[doc(hidden)]
+pub use migrate::{
+    migrate_online, migrate_with, migrate_with_files, OnlinePlan, BACKFILL_BATCH,
+    LOCK_TIMEOUT_MESSAGE, MIGRATIONS_TABLE, MIGRATION_LOCK_TIMEOUT, STEP_LOCK_TIMEOUT,
+};
+#[doc(hidden)]
+pub use observe::{ClaimOutcome, Observer};
+#[doc(hidden)]
+pub use owner::{OwnerError, MAX_OWNER_LEN};
+#[doc(hidden)]
+pub use runner::{Completer, Pass, Resumed};
+#[doc(hidden)]
+pub use store::{
+    Abandoned, Autocommit, Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease,
+    NewRequest, OneStep, OwnedFinalPhase, Phase, Statements, DEFAULT_LEASE_TTL,
+};
+#[doc(hidden)]
+pub use store::wait;
 
 #[cfg(test)]
 mod tests {

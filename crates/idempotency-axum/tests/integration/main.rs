@@ -5,6 +5,7 @@ mod adversary;
 mod http;
 mod layer;
 mod retire;
+mod run;
 mod transactional;
 mod wait;
 

@@ -48,6 +48,7 @@
 //!
 //! Every statement carries the key's `owner`, so the table can be distributed by owner.
 
+mod builder;
 mod claim;
 mod maintenance;
 mod model;
@@ -55,6 +56,7 @@ mod phase;
 mod retire;
 mod statements;
 pub mod wait;
+mod step;
 
 use sqlx::{Postgres, Transaction};
 
@@ -81,8 +83,10 @@ pub(super) fn unless_cancelled(cancelled: bool, context: String) -> Result<(), E
     Ok(())
 }
 
+pub use builder::{StoreBuilder, DEFAULT_RETENTION};
 pub use claim::{Begun, FirstPhase};
 pub use maintenance::{KeyFilter, KeyRecord};
 pub use model::{Claim, Lease, NewRequest, OneStep, RecoveryPoint, Store, DEFAULT_LEASE_TTL};
 pub use phase::{Abandoned, FinalPhase, OwnedFinalPhase, Phase};
 pub use statements::{Autocommit, Statements};
+pub(crate) use step::{roll_back_step, savepoint, OpenStep};

@@ -14,6 +14,7 @@ mod pooler;
 mod rfc8785;
 mod store;
 mod support;
+mod workflow;
 
 /// The template of the tests that begin by migrating (`#[testdb::test(template = …)]`): the
 /// crate's migrations, run once per test binary instead of once per test.
