@@ -7,9 +7,14 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use http::{HeaderMap, Uri};
-use idempotency::{Begun, Error, Fingerprint, Lease, NewRequest, Owner, Store};
-use idempotency_axum::{acquired_or_respond, stored_response, RequiredKey};
+use idempotency::wait::KeyState;
+use idempotency::{Begun, Claim, Error, Fingerprint, Lease, NewRequest, Owner, Store};
+use idempotency_axum::layer::DEFAULT_MAX_WAIT;
+use idempotency_axum::{
+    acquired_or_respond, replayed_response, stored_response, wait_preference, RequiredKey,
+};
 use serde_json::json;
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::admission::Admitted;
@@ -26,7 +31,10 @@ use crate::state::AppState;
     post,
     path = "/rides",
     tag = "rides",
-    params(("Idempotency-Key" = String, Header, description = "The request's key: 1 to 255 visible ASCII characters, as a Structured Field string (`\"…\"`) or bare. The same key with the same body finishes the first request or replays its answer.")),
+    params(
+        ("Idempotency-Key" = String, Header, description = "The request's key: 1 to 255 visible ASCII characters, as a Structured Field string (`\"…\"`) or bare. The same key with the same body finishes the first request or replays its answer."),
+        ("Prefer" = Option<String>, Header, description = "`wait=N` (RFC 7240, seconds, at most 10): when another request holds the key, wait up to N seconds for its answer (then replayed, with `Idempotent-Replayed: true`) instead of a 409; past N, the 409. `wait=0` or a malformed value: no wait."),
+    ),
     request_body(content = RideRequest, content_type = "application/json"),
     responses(
         (status = 201, description = "Booked and paid. A replay repeats the first answer byte for byte and adds `Idempotent-Replayed: true`.", body = Ride,
@@ -34,7 +42,7 @@ use crate::state::AppState;
         (status = 400, description = "`urn:problem:idempotency:key-missing` or `…:key-invalid` (the header), `urn:problem:rocket-rides:bad-json` or `…:validation` with `errors` (the body). Nothing is written.", body = Problem, content_type = "application/problem+json"),
         (status = 401, description = "`urn:problem:rocket-rides:unauthorized`: no valid `Authorization: Bearer <api key>`.", body = Problem, content_type = "application/problem+json"),
         (status = 402, description = "`urn:problem:rocket-rides:payment-declined`: the card was declined. Stored and replayed.", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "`urn:problem:idempotency:key-in-flight` (another request holds the key) or `urn:problem:rocket-rides:lease-lost`. Retry with the same key after `Retry-After`.", body = Problem, content_type = "application/problem+json",
+        (status = 409, description = "`urn:problem:idempotency:key-in-flight` (another request holds the key; with `Prefer: wait=N`, still after N seconds) or `urn:problem:rocket-rides:lease-lost`. Retry with the same key after `Retry-After`.", body = Problem, content_type = "application/problem+json",
          headers(("Retry-After" = u64, description = "Seconds to wait"))),
         (status = 413, description = "`urn:problem:rocket-rides:body-too-large`. Nothing is written.", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "`urn:problem:idempotency:key-reused`: the key was used with another body. Nothing changes.", body = Problem, content_type = "application/problem+json"),
@@ -65,6 +73,7 @@ pub async fn create(
         BodyError::Invalid(errors) => ApiError::Validation(errors),
     })?;
     let params = serde_json::to_value(&request).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let deadline = wait_preference(&headers, DEFAULT_MAX_WAIT).map(|wait| Instant::now() + wait);
 
     // From the claim on, the request runs in a task of its own. If the client hangs up, hyper
     // drops the handler's future; were the claim, a phase or the release dropped with it, the key
@@ -86,7 +95,28 @@ pub async fn create(
                 fingerprint,
                 params: &params,
             };
-            let begun = begin(&state.store, request_key).await?;
+            let mut begun = begin(&state.store, request_key).await?;
+            // A duplicate whose client asked to wait (`Prefer: wait=N`): until the holder
+            // answers (its answer, replayed), lets the key go (claimed again: this request may
+            // resume it), or the deadline comes (the usual 409). Between reads it holds no
+            // pooled connection.
+            while let (Begun::Existing(Claim::InFlight { .. }), Some(deadline)) = (&begun, deadline)
+            {
+                if Instant::now() >= deadline {
+                    break;
+                }
+                match state.store.wait_for_answer(&request_key, deadline).await? {
+                    KeyState::Finished(stored) => return Ok(replayed_response(&stored)),
+                    KeyState::Held { lease_left } => {
+                        let retry_after = lease_left;
+                        begun = Begun::Existing(Claim::InFlight { retry_after });
+                        break;
+                    }
+                    KeyState::Absent | KeyState::Mismatch | KeyState::Claimable => {
+                        begun = begin(&state.store, request_key).await?;
+                    }
+                }
+            }
             match begun {
                 Begun::New(first) => {
                     let (lease, target) =

@@ -5,7 +5,7 @@ use crate::common;
 
 use std::sync::Arc;
 
-use common::{TestApp, RIDE};
+use common::{Reply, TestApp, RIDE};
 use fakestripe::Faults;
 use idempotency::Claim;
 use idempotency_axum::problem::types as key_types;
@@ -787,4 +787,50 @@ async fn users_rotate_key_prints_a_new_key_and_refuses_an_unknown_email(pool: Pg
     assert_eq!(reply.status, 401, "{reply:?}");
     let reply = app.post_ride(Some(new_key), Some("k-1"), RIDE).await;
     assert_eq!(reply.status, 201, "{reply:?}");
+}
+
+#[testdb::test(template = crate::common::migrated)]
+async fn a_duplicate_that_prefers_to_wait_gets_the_holders_answer_replayed(pool: PgPool) {
+    let app = TestApp::start(pool).await;
+    let (user_id, api_key) = app.user("wait@example.com", "tok_visa").await;
+    // Another holder has the key (a request still at work).
+    let Claim::Acquired(mut lease) = app.claim(user_id, "k-wait").await else {
+        panic!("a new key is acquired");
+    };
+    let in_flight = r#"idempotency_claims_total{outcome="in_flight"}"#;
+    let before = app.metric(in_flight).await;
+    let waiter = {
+        let request = app
+            .http
+            .post(format!("{}/rides", app.base))
+            .header("content-type", "application/json")
+            .header("idempotency-key", "k-wait")
+            .header("prefer", "wait=10")
+            .bearer_auth(&api_key)
+            .body(RIDE);
+        tokio::spawn(async move { Reply::read(request.send().await.unwrap()).await })
+    };
+    // Once the waiter has found the key held, the holder answers.
+    while app.metric(in_flight).await < before + 1.0 {
+        tokio::task::yield_now().await;
+    }
+    let answer = idempotency::StoredResponse::json(
+        201,
+        &serde_json::json!({"ride_id": 7}),
+        vec![("location".to_owned(), "/rides/7".to_owned())],
+    );
+    app.state
+        .store
+        .final_phase(&mut lease)
+        .await
+        .unwrap()
+        .finish(&answer)
+        .await
+        .unwrap();
+    let reply = waiter.await.unwrap();
+    assert_eq!(reply.status, 201);
+    assert_eq!(reply.headers["idempotent-replayed"], "true");
+    assert_eq!(reply.headers["location"], "/rides/7");
+    assert_eq!(reply.body, answer.body);
+    assert_eq!(app.rides().await, 0, "the waiter booked nothing of its own");
 }
