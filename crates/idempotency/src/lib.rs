@@ -60,7 +60,7 @@ pub mod runner;
 mod store;
 
 pub use canonical::canonicalize;
-pub use clock::{Clock, DatabaseClock, ManualClock};
+pub use clock::{BindTime, Clock, DatabaseClock, ManualClock, Timed};
 pub use error::Error;
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, KEY_PATTERN, MAX_KEY_LEN};

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use idempotency::Lease;
+use idempotency::{BindTime, Lease};
 use sqlx::types::Json;
 use time::OffsetDateTime;
 
@@ -69,16 +69,16 @@ impl ChargeTarget {
     ) -> Result<Self, BookingError> {
         let window = state.gateway_key_window.as_millis().min(i64::MAX as u128) as i64;
         let mut conn = state.store.autocommit().await.map_err(db("load ride"))?;
-        let target = sqlx::query_as(
+        let timed = state.store.timed(
             r#"
             SELECT r.id AS ride_id, r.amount_cents, r.charge_id,
                    u.stripe_customer_id AS customer,
                    r.charge_generation AS generation,
                    r.charge_first_attempt_at AS first_attempt_at,
                    r.charge_generation_at
-                       <= coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+                       <= $now - $3 * interval '1 millisecond'
                        AS past_window,
-                   coalesce(r.charge_attempted_at, coalesce($3::timestamptz, now()))
+                   coalesce(r.charge_attempted_at, $now)
                        AS attempted_at,
                    r.charge_attempted_at IS NULL AS attempts_unknown,
                    r.charge_doubt AS doubt, r.charge_refusal AS refusal,
@@ -87,16 +87,17 @@ impl ChargeTarget {
             FROM rides r JOIN users u ON u.id = r.user_id
             WHERE r.user_id = $1 AND r.idempotency_key_id = $2
             "#,
-        )
-        .bind(rider(lease)?)
-        .bind(lease.key_id())
-        .bind(state.store.now())
-        .bind(window)
-        .persistent(state.store.persistent())
-        .fetch_optional(conn.conn())
-        .await
-        .map_err(db("load ride"))?
-        .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", lease.key_id())))?;
+        );
+        let target = sqlx::query_as(timed.sql())
+            .bind(rider(lease)?)
+            .bind(lease.key_id())
+            .bind(window)
+            .bind_now(&timed)
+            .persistent(state.store.persistent())
+            .fetch_optional(conn.conn())
+            .await
+            .map_err(db("load ride"))?
+            .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", lease.key_id())))?;
         conn.done().await.map_err(db("load ride"))?;
         Ok(target)
     }
@@ -253,19 +254,20 @@ pub(super) async fn record_attempt(
     let user_id = rider(lease)?;
     let point = lease.recovery_point();
     let mut phase = state.store.phase(lease, point).await?;
-    target.attempted_at = sqlx::query_scalar(
-        "UPDATE rides SET charge_attempted_at = coalesce($3::timestamptz, now()),
+    let timed = state.store.timed(
+        "UPDATE rides SET charge_attempted_at = $now,
                           updated_at = now()
          WHERE id = $1 AND user_id = $2
          RETURNING charge_attempted_at",
-    )
-    .bind(target.ride_id)
-    .bind(user_id)
-    .bind(state.store.now())
-    .persistent(state.store.persistent())
-    .fetch_one(phase.conn())
-    .await
-    .map_err(db("record the gateway call"))?;
+    );
+    target.attempted_at = sqlx::query_scalar(timed.sql())
+        .bind(target.ride_id)
+        .bind(user_id)
+        .bind_now(&timed)
+        .persistent(state.store.persistent())
+        .fetch_one(phase.conn())
+        .await
+        .map_err(db("record the gateway call"))?;
     phase.commit().await?;
     Ok(())
 }
