@@ -2,7 +2,7 @@
 #![warn(missing_docs)]
 
 pub mod canonical;
-mod clock;
+pub mod clock;
 pub mod commit_watch;
 mod error;
 mod fingerprint;
@@ -47,6 +47,8 @@ pub use workflow::{Advance, Halt, Outcome, Request, Step, Workflow};
 #[doc(hidden)]
 pub use canonical::canonicalize;
 #[doc(hidden)]
+pub use clock::{BindTime, Timed};
+#[doc(hidden)]
 pub use key::{KeyError, KEY_PATTERN, MAX_KEY_LEN};
 #[doc(hidden)]
 pub use lease::LEASE_LOG;
@@ -62,12 +64,12 @@ pub use owner::{OwnerError, MAX_OWNER_LEN};
 #[doc(hidden)]
 pub use runner::{Completer, Pass, Resumed};
 #[doc(hidden)]
+pub use store::wait;
+#[doc(hidden)]
 pub use store::{
     Abandoned, Autocommit, Begun, Claim, FinalPhase, FirstPhase, KeyFilter, KeyRecord, Lease,
     NewRequest, OneStep, OwnedFinalPhase, Phase, Statements, DEFAULT_LEASE_TTL,
 };
-#[doc(hidden)]
-pub use store::wait;
 
 #[cfg(test)]
 mod tests {

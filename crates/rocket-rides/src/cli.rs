@@ -1,4 +1,4 @@
-//! The command line: `rocket-rides migrate | users create|rotate-key | serve | keys list|show`.
+//! The command line: `rocket-rides migrate | distribute | users create|rotate-key | serve | keys list|show`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -131,6 +131,12 @@ impl MigrateArgs {
 enum Command {
     /// Create or update the database tables (on --migrate-database-url when given).
     Migrate {
+        #[command(flatten)]
+        db: MigrateArgs,
+    },
+    /// Spread the migrated tables over a Citus cluster (docs/scaling.md); refuses a server
+    /// without Citus, and does nothing where they are spread already.
+    Distribute {
         #[command(flatten)]
         db: MigrateArgs,
     },
@@ -281,6 +287,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             )?;
             crate::db::migrate(&pool).await.context("migrate")?;
             eprintln!("migrations applied");
+        }
+        Command::Distribute { db } => {
+            let url = db.url()?;
+            let pool = crate::db::connect(url, 2).await.context(
+                "connect to the database to distribute (is the URL right and PostgreSQL running?)",
+            )?;
+            match crate::db::distribute::distribute(&pool).await? {
+                crate::db::distribute::Distributed::Now => eprintln!("tables distributed"),
+                crate::db::distribute::Distributed::Already => {
+                    eprintln!("tables already distributed: nothing changed")
+                }
+            }
         }
         Command::Users {
             command:

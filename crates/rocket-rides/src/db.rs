@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
+pub mod distribute;
 mod online;
 
 /// How long to wait for a pooled connection before failing the request (a 500, lease released)

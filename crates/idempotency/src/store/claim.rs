@@ -17,7 +17,7 @@ use super::phase::finish_key;
 use super::unless_cancelled;
 use crate::commit_watch::watched;
 use crate::observe::{ClaimOutcome, Observed};
-use crate::{Error, StoredResponse};
+use crate::{BindTime, Error, StoredResponse};
 
 /// How often the claim starts over when the row changed under it (inserted by a concurrent
 /// request, released, reaped). More than a few rounds means heavy contention, and the caller is
@@ -397,36 +397,37 @@ impl Store {
         req: &NewRequest<'_>,
         db: impl sqlx::PgExecutor<'c>,
     ) -> Result<Found<P>, Error> {
-        let row = sqlx::query(
+        let timed = self.timed(
             r#"
             SELECT id, fingerprint, finished_at IS NOT NULL AS finished, finished_at,
                    response_status, response_headers, response_body,
-                   ceil(extract(epoch FROM locked_until - coalesce($5::timestamptz, now())) * 1000)
+                   ceil(extract(epoch FROM locked_until - $now) * 1000)
                        ::bigint AS lease_millis_left,
                    -- The reaper's own age test (maintenance.rs), so that a read and a reaper
                    -- pass with the same retention agree on every key. NULL, not expired, for
-                   -- an unfinished key or a store without a retention ($6 NULL).
-                   finished_at < coalesce($5::timestamptz, now()) - $6 * interval '1 millisecond'
+                   -- an unfinished key or a store without a retention ($5 NULL).
+                   finished_at < $now - $5 * interval '1 millisecond'
                        AS expired
             FROM idempotency_keys
             WHERE owner = $1 AND request_method = $2 AND request_path = $3
               AND idempotency_key = $4
             "#,
-        )
-        .bind(req.owner.as_str())
-        .bind(req.method)
-        .bind(req.route)
-        .bind(req.key.as_str())
-        .bind(self.now())
-        .bind(self.retention_millis())
-        .persistent(self.persistent())
-        .fetch_optional(db)
-        .await
-        .map_err(Error::db(format!(
-            "read key {:?} of owner {}",
-            req.key.as_str(),
-            req.owner
-        )))?;
+        );
+        let row = sqlx::query(timed.sql())
+            .bind(req.owner.as_str())
+            .bind(req.method)
+            .bind(req.route)
+            .bind(req.key.as_str())
+            .bind(self.retention_millis())
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .fetch_optional(db)
+            .await
+            .map_err(Error::db(format!(
+                "read key {:?} of owner {}",
+                req.key.as_str(),
+                req.owner
+            )))?;
         let Some(row) = row else {
             return Ok(Found::Absent);
         };
@@ -444,7 +445,7 @@ impl Store {
         db: impl sqlx::PgExecutor<'c>,
         asked_at: Duration,
     ) -> Result<Taken<P>, Error> {
-        let row = sqlx::query(
+        let timed = self.timed(
             r#"
             -- NOWAIT: a row locked by a phase in progress (or a transactional handler holding the
             -- key's final phase open) is in flight, answered at once; a claimer that waited on
@@ -455,29 +456,30 @@ impl Store {
                   AND idempotency_key = $4
                   AND finished_at IS NULL
                   AND fingerprint = $5
-                  AND (locked_until IS NULL OR locked_until <= coalesce($6::timestamptz, now()))
+                  AND (locked_until IS NULL OR locked_until <= $now)
                 FOR UPDATE NOWAIT
             )
             UPDATE idempotency_keys k
             SET lease_token  = k.lease_token + 1,
                 attempts     = k.attempts + 1,
-                locked_until = coalesce($6::timestamptz, now()) + $7 * interval '1 millisecond',
-                last_run_at  = coalesce($6::timestamptz, now())
+                locked_until = $now + $6 * interval '1 millisecond',
+                last_run_at  = $now
             FROM free
             WHERE k.owner = $1 AND k.id = free.id
             RETURNING k.id, k.request_uuid, k.lease_token, k.attempts, k.completer_attempts,
                       k.recovery_point, k.request_params, k.locked_until
             "#,
-        )
-        .bind(req.owner.as_str())
-        .bind(req.method)
-        .bind(req.route)
-        .bind(req.key.as_str())
-        .bind(req.fingerprint.as_bytes().as_slice())
-        .bind(self.now())
-        .bind(self.ttl_millis())
-        .persistent(self.persistent())
-        .fetch_optional(db);
+        );
+        let row = sqlx::query(timed.sql())
+            .bind(req.owner.as_str())
+            .bind(req.method)
+            .bind(req.route)
+            .bind(req.key.as_str())
+            .bind(req.fingerprint.as_bytes().as_slice())
+            .bind(self.ttl_millis())
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .fetch_optional(db);
         // Outside a transaction the statement commits by itself: a takeover whose commit the
         // standby may not have is not a lease to act on.
         let (row, cancelled) = watched(row).await;
@@ -503,15 +505,15 @@ impl Store {
         conn: &mut PgConnection,
         asked_at: Duration,
     ) -> Result<Inserted<P>, Error> {
-        let row = sqlx::query(
+        let timed = self.timed(
             r#"
             WITH inserted AS (
                 INSERT INTO idempotency_keys
                     (owner, request_method, request_path, idempotency_key, fingerprint,
                      request_params, recovery_point, locked_until, created_at, last_run_at)
                 VALUES ($1, $2, $3, $4, $5, $6, $7,
-                        coalesce($8::timestamptz, now()) + $9 * interval '1 millisecond',
-                        coalesce($8::timestamptz, now()), coalesce($8::timestamptz, now()))
+                        $now + $8 * interval '1 millisecond',
+                        $now, $now)
                 ON CONFLICT (owner, request_method, request_path, idempotency_key) DO NOTHING
                 RETURNING owner, id, request_uuid, request_method, request_path, created_at,
                           locked_until
@@ -519,23 +521,24 @@ impl Store {
                 INSERT INTO idempotency_keys_unfinished
                     (owner, key_id, request_method, request_path, created_at)
                 SELECT owner, id, request_method, request_path, created_at
-                FROM inserted WHERE $10
+                FROM inserted WHERE $9
             )
             SELECT id, request_uuid, locked_until FROM inserted
             "#,
-        )
-        .bind(req.owner.as_str())
-        .bind(req.method)
-        .bind(req.route)
-        .bind(req.key.as_str())
-        .bind(req.fingerprint.as_bytes().as_slice())
-        .bind(Json(req.params))
-        .bind(point.name())
-        .bind(self.now())
-        .bind(self.ttl_millis())
-        .bind(track)
-        .persistent(self.persistent())
-        .fetch_optional(&mut *conn);
+        );
+        let row = sqlx::query(timed.sql())
+            .bind(req.owner.as_str())
+            .bind(req.method)
+            .bind(req.route)
+            .bind(req.key.as_str())
+            .bind(req.fingerprint.as_bytes().as_slice())
+            .bind(Json(req.params))
+            .bind(point.name())
+            .bind(self.ttl_millis())
+            .bind(track)
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .fetch_optional(&mut *conn);
         // Outside a transaction (a claim) the insert commits by itself: a key whose commit the
         // standby may not have must not name a foreign request (its UUID) yet. Inside one, the
         // commit is watched instead.
@@ -582,22 +585,23 @@ impl Store {
         expired: Expired,
         asked_at: Duration,
     ) -> Result<Inserted<P>, Error> {
-        let deleted = sqlx::query(
+        let timed = self.timed(
             r#"
             DELETE FROM idempotency_keys
             WHERE owner = $1 AND id = $2
               AND finished_at = $3
-              AND finished_at < coalesce($4::timestamptz, now()) - $5 * interval '1 millisecond'
+              AND finished_at < $now - $4 * interval '1 millisecond'
             "#,
-        )
-        .bind(req.owner.as_str())
-        .bind(expired.key_id)
-        .bind(expired.finished_at)
-        .bind(self.now())
-        .bind(self.retention_millis())
-        .persistent(self.persistent())
-        .execute(&mut *conn)
-        .await;
+        );
+        let deleted = sqlx::query(timed.sql())
+            .bind(req.owner.as_str())
+            .bind(expired.key_id)
+            .bind(expired.finished_at)
+            .bind(self.retention_millis())
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .execute(&mut *conn)
+            .await;
         match deleted {
             Ok(done) if done.rows_affected() == 0 => return Ok(Inserted::Conflict),
             Ok(_) => {}

@@ -13,7 +13,7 @@ use uuid::Uuid;
 use super::claim::is_referenced;
 use super::model::{lease_from_row, Lease, RecoveryPoint, Store};
 use crate::commit_watch::watched;
-use crate::{Error, Owner};
+use crate::{BindTime, Error, Owner, Timed};
 
 /// How many candidates the completer reads per key it wants: the read takes no locks, so some
 /// candidates are being claimed by other completers (and are skipped); reading more keeps them
@@ -44,7 +44,7 @@ impl Store {
         let now = self.now();
         let grace = grace.as_millis().min(i64::MAX as u128) as i64;
         let mut db = self.autocommit().await.map_err(Error::db(context()))?;
-        let candidates: Vec<(String, i64)> = sqlx::query_as(
+        let timed = Timed::new(
             r#"
             -- all users: a read of candidates, without locks; each is claimed below by user.
             -- The unfinished keys of the route, from their own small table, least recently
@@ -52,28 +52,30 @@ impl Store {
             SELECT k.owner, k.id
             FROM idempotency_keys_unfinished u
             JOIN idempotency_keys k ON k.owner = u.owner AND k.id = u.key_id
-            WHERE u.request_method = $4 AND u.request_path = $5
+            WHERE u.request_method = $3 AND u.request_path = $4
               AND k.finished_at IS NULL
-              AND (k.locked_until IS NULL OR k.locked_until <= coalesce($1::timestamptz, now()))
+              AND (k.locked_until IS NULL OR k.locked_until <= $now)
               -- The grace, from the last attempt, protects a client still retrying its own key;
               -- once a completer has worked the key, only its backoff applies.
               AND (k.completer_attempts > 0
-                   OR k.last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
+                   OR k.last_run_at <= $now - $1 * interval '1 millisecond')
               AND (k.next_attempt_at IS NULL
-                   OR k.next_attempt_at <= coalesce($1::timestamptz, now()))
+                   OR k.next_attempt_at <= $now)
             ORDER BY k.last_run_at
-            LIMIT $3
+            LIMIT $2
             "#,
-        )
-        .bind(now)
-        .bind(grace)
-        .bind(limit.clamp(1, 10_000) * CANDIDATES_PER_CLAIM)
-        .bind(method)
-        .bind(route)
-        .persistent(self.persistent())
-        .fetch_all(db.conn())
-        .await
-        .map_err(Error::db(context()))?;
+            now,
+        );
+        let candidates: Vec<(String, i64)> = sqlx::query_as(timed.sql())
+            .bind(grace)
+            .bind(limit.clamp(1, 10_000) * CANDIDATES_PER_CLAIM)
+            .bind(method)
+            .bind(route)
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .fetch_all(db.conn())
+            .await
+            .map_err(Error::db(context()))?;
         db.done().await.map_err(Error::db(context()))?;
         let limit = usize::try_from(limit.clamp(1, 10_000)).unwrap_or(1);
         let mut leases = Vec::with_capacity(limit);
@@ -84,37 +86,39 @@ impl Store {
             // Before BEGIN, if there is one: the update's `now()` is then the transaction's start.
             let asked_at = self.lease_clock();
             let mut db = self.autocommit().await.map_err(Error::db(context()))?;
-            let row = sqlx::query(
+            let timed = Timed::new(
                 r#"
                 WITH abandoned AS (
                     SELECT id FROM idempotency_keys
-                    WHERE owner = $4 AND id = $5
+                    WHERE owner = $3 AND id = $4
                       AND finished_at IS NULL
-                      AND (locked_until IS NULL OR locked_until <= coalesce($1::timestamptz, now()))
+                      AND (locked_until IS NULL OR locked_until <= $now)
                       AND (completer_attempts > 0
-                           OR last_run_at <= coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond')
-                      AND (next_attempt_at IS NULL OR next_attempt_at <= coalesce($1::timestamptz, now()))
+                           OR last_run_at <= $now - $1 * interval '1 millisecond')
+                      AND (next_attempt_at IS NULL OR next_attempt_at <= $now)
                     FOR UPDATE SKIP LOCKED
                 )
                 UPDATE idempotency_keys k
                 SET lease_token        = k.lease_token + 1,
                     attempts           = k.attempts + 1,
                     completer_attempts = k.completer_attempts + 1,
-                    locked_until       = coalesce($1::timestamptz, now()) + $3 * interval '1 millisecond',
-                    last_run_at        = coalesce($1::timestamptz, now())
+                    locked_until       = $now + $2 * interval '1 millisecond',
+                    last_run_at        = $now
                 FROM abandoned
-                WHERE k.owner = $4 AND k.id = abandoned.id
+                WHERE k.owner = $3 AND k.id = abandoned.id
                 RETURNING k.id, k.request_uuid, k.owner, k.lease_token, k.attempts,
                           k.completer_attempts, k.recovery_point, k.request_params, k.locked_until
                 "#,
-            )
-            .bind(now)
-            .bind(grace)
-            .bind(self.ttl_millis())
-            .bind(&owner)
-            .bind(key_id)
-            .persistent(self.persistent())
-            .fetch_optional(db.conn());
+                now,
+            );
+            let row = sqlx::query(timed.sql())
+                .bind(grace)
+                .bind(self.ttl_millis())
+                .bind(&owner)
+                .bind(key_id)
+                .bind_now(&timed)
+                .persistent(self.persistent())
+                .fetch_optional(db.conn());
             // Outside a transaction the takeover commits by itself, and with Statements::Unnamed
             // its transaction's commit: either one whose wait for the synchronous standby was
             // cancelled is not a lease to run the application's closure under. The key is left
@@ -151,23 +155,24 @@ impl Store {
         crate::lease::writing(&lease, "release");
         let context = || format!("release lease of key {} with backoff", lease.key_id);
         let mut db = self.autocommit().await.map_err(Error::db(context()))?;
-        let released = sqlx::query(
+        let timed = self.timed(
             r#"
             UPDATE idempotency_keys
             SET locked_until = NULL,
-                next_attempt_at = coalesce($4::timestamptz, now()) + $5 * interval '1 millisecond'
+                next_attempt_at = $now + $4 * interval '1 millisecond'
             WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             "#,
-        )
-        .bind(lease.key_id)
-        .bind(lease.owner.as_str())
-        .bind(lease.token)
-        .bind(self.now())
-        .bind(backoff.as_millis().min(i64::MAX as u128) as i64)
-        .persistent(self.persistent())
-        .execute(db.conn())
-        .await
-        .map_err(Error::db(context()))?;
+        );
+        let released = sqlx::query(timed.sql())
+            .bind(lease.key_id)
+            .bind(lease.owner.as_str())
+            .bind(lease.token)
+            .bind(backoff.as_millis().min(i64::MAX as u128) as i64)
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .execute(db.conn())
+            .await
+            .map_err(Error::db(context()))?;
         db.done().await.map_err(Error::db(context()))?;
         if released.rows_affected() == 0 {
             return Err(Error::LeaseLost {
@@ -210,25 +215,27 @@ impl Store {
         let retention = retention.as_millis().min(i64::MAX as u128) as i64;
         let context = "find finished keys to reap";
         let mut db = self.autocommit().await.map_err(Error::db(context))?;
-        let candidates: Vec<(String, i64)> = sqlx::query_as(
+        let timed = Timed::new(
             r#"
             -- all users: a read of candidates, without locks; each user's are deleted below.
             -- By creation, whose index no update touches: a key finished before the cutoff was
             -- created before it. Unfinished old keys are passed over (they are few).
             SELECT owner, id FROM idempotency_keys
-            WHERE created_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
-              AND finished_at < coalesce($1::timestamptz, now()) - $2 * interval '1 millisecond'
+            WHERE created_at < $now - $1 * interval '1 millisecond'
+              AND finished_at < $now - $1 * interval '1 millisecond'
             ORDER BY created_at
-            LIMIT $3
+            LIMIT $2
             "#,
-        )
-        .bind(now)
-        .bind(retention)
-        .bind(limit.clamp(1, 100_000))
-        .persistent(self.persistent())
-        .fetch_all(db.conn())
-        .await
-        .map_err(Error::db(context))?;
+            now,
+        );
+        let candidates: Vec<(String, i64)> = sqlx::query_as(timed.sql())
+            .bind(retention)
+            .bind(limit.clamp(1, 100_000))
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .fetch_all(db.conn())
+            .await
+            .map_err(Error::db(context))?;
         db.done().await.map_err(Error::db(context))?;
         let mut by_owner: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
         for (owner, key_id) in candidates {
@@ -277,21 +284,23 @@ impl Store {
         retention: i64,
     ) -> Result<u64, sqlx::Error> {
         let mut db = self.autocommit().await?;
-        let deleted = sqlx::query(
+        let timed = Timed::new(
             r#"
             DELETE FROM idempotency_keys
             WHERE owner = $1 AND id = ANY($2)
               AND finished_at IS NOT NULL
-              AND finished_at < coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+              AND finished_at < $now - $3 * interval '1 millisecond'
             "#,
-        )
-        .bind(owner)
-        .bind(key_ids)
-        .bind(now)
-        .bind(retention)
-        .persistent(self.persistent())
-        .execute(db.conn())
-        .await?;
+            now,
+        );
+        let deleted = sqlx::query(timed.sql())
+            .bind(owner)
+            .bind(key_ids)
+            .bind(retention)
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .execute(db.conn())
+            .await?;
         db.done().await?;
         Ok(deleted.rows_affected())
     }

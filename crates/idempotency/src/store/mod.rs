@@ -46,7 +46,16 @@
 //!   increments their tokens like any claim; **the reaper** deletes finished keys past retention
 //!   in short batches, never unfinished ones.
 //!
-//! Every statement carries the key's `owner`, so the table can be distributed by owner.
+//! Every statement carries the key's `owner`, so the table can be distributed by owner (on Citus:
+//! `idempotency_keys` by `owner`, `idempotency_keys_unfinished` colocated with it). Every
+//! `UPDATE` and `DELETE` compares `owner` with a parameter, so that it goes to one shard, and
+//! names the current time `$now` ([`Store::timed`]), never inside `COALESCE` or `CASE`.
+//!
+//! **An application's own tables**, to share a node with its keys, need a column of the owner's
+//! type (text) holding the key's owner, distributed by it and colocated with `idempotency_keys`;
+//! that column in every unique constraint and foreign key (no `ON DELETE SET NULL` on one that
+//! includes it); and every statement in a phase comparing it with a parameter, with the time
+//! through [`Store::timed`].
 
 mod builder;
 mod claim;
@@ -55,8 +64,8 @@ mod model;
 mod phase;
 mod retire;
 mod statements;
-pub mod wait;
 mod step;
+pub mod wait;
 
 use sqlx::{Postgres, Transaction};
 

@@ -12,7 +12,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::observe::{Observed, Observer};
-use crate::{Clock, Error, Fingerprint, IdempotencyKey, Owner, StoredResponse};
+use crate::{Clock, Error, Fingerprint, IdempotencyKey, Owner, StoredResponse, Timed};
 
 /// The lease time-to-live when none is configured: 30 s.
 ///
@@ -313,10 +313,18 @@ impl Store {
         self
     }
 
-    /// The injected time, for the application's own statements that compare against "now"
-    /// (`coalesce($n::timestamptz, now())`): `None` in production, where the database decides.
+    /// The injected time: `None` in production, where the database decides. The application's
+    /// own statements that compare against "now" take it through [`Store::timed`].
     pub fn now(&self) -> Option<OffsetDateTime> {
         self.clock.now()
+    }
+
+    /// `sql` with its marker of the current time, `$now`, made the store clock's: `now()` in
+    /// production, a parameter bound to the injected time in tests (see [`Timed`]). How the
+    /// store writes every statement that compares against "now", and how an application writes
+    /// its own, so that Citus can route them (no `coalesce($n, now())`).
+    pub fn timed(&self, sql: &str) -> Timed {
+        Timed::new(sql, self.clock.now())
     }
 
     /// How long `lease` surely lasts, by this process's own clock: the TTL from when the

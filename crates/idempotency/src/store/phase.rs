@@ -11,7 +11,7 @@ use super::claim::is_referenced;
 use super::model::{Lease, RecoveryPoint, Store};
 use crate::lease::{writing, LEASE_LOG};
 use crate::observe::Observed;
-use crate::{Error, StoredResponse};
+use crate::{BindTime, Error, StoredResponse, Timed};
 
 impl Store {
     /// Opens a phase that moves the key to recovery point `to` when it commits.
@@ -140,26 +140,27 @@ impl Store {
         let context = || format!("open phase {point} of key {}", lease.key_id);
         let mut tx = self.pool.begin().await.map_err(Error::db(context()))?;
         // The lease is extended too: making progress is a sign of life.
-        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(
+        let timed = self.timed(
             r#"
             UPDATE idempotency_keys
             SET recovery_point = $4,
-                locked_until   = coalesce($5::timestamptz, now()) + $6 * interval '1 millisecond',
-                last_run_at    = coalesce($5::timestamptz, now())
+                locked_until   = $now + $5 * interval '1 millisecond',
+                last_run_at    = $now
             WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             RETURNING locked_until
             "#,
-        )
-        .bind(lease.key_id)
-        .bind(lease.owner.as_str())
-        .bind(lease.token)
-        .bind(point)
-        .bind(self.now())
-        .bind(self.ttl_millis())
-        .persistent(self.persistent())
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(Error::db(context()))?;
+        );
+        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(timed.sql())
+            .bind(lease.key_id)
+            .bind(lease.owner.as_str())
+            .bind(lease.token)
+            .bind(point)
+            .bind(self.ttl_millis())
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(Error::db(context()))?;
         match locked_until {
             Some(until) => Ok((tx, until)),
             // Dropping `tx` rolls it back; nothing was written.
@@ -176,23 +177,24 @@ impl Store {
         // Before BEGIN, if there is one: the update's `now()` is then the transaction's start.
         let asked_at = self.lease_clock();
         let mut db = self.autocommit().await.map_err(Error::db(context()))?;
-        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(
+        let timed = self.timed(
             r#"
             UPDATE idempotency_keys
-            SET locked_until = coalesce($4::timestamptz, now()) + $5 * interval '1 millisecond'
+            SET locked_until = $now + $4 * interval '1 millisecond'
             WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             RETURNING locked_until
             "#,
-        )
-        .bind(lease.key_id)
-        .bind(lease.owner.as_str())
-        .bind(lease.token)
-        .bind(self.now())
-        .bind(self.ttl_millis())
-        .persistent(self.persistent())
-        .fetch_optional(db.conn())
-        .await
-        .map_err(Error::db(context()))?;
+        );
+        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(timed.sql())
+            .bind(lease.key_id)
+            .bind(lease.owner.as_str())
+            .bind(lease.token)
+            .bind(self.ttl_millis())
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .fetch_optional(db.conn())
+            .await
+            .map_err(Error::db(context()))?;
         db.done().await.map_err(Error::db(context()))?;
         match locked_until {
             Some(until) => {
@@ -289,8 +291,9 @@ impl Store {
                 WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
                 RETURNING owner, id
             ), untracked AS (
+                -- The owner as a parameter too: one shard on Citus (see finish_key).
                 DELETE FROM idempotency_keys_unfinished u USING deleted d
-                WHERE u.owner = d.owner AND u.key_id = d.id
+                WHERE u.owner = $2 AND u.owner = d.owner AND u.key_id = d.id
             )
             SELECT count(*) FROM deleted
             "#,
@@ -488,7 +491,7 @@ pub(super) async fn finish_key<P: RecoveryPoint>(
     persistent: bool,
 ) -> Result<(), Error> {
     let key_id = lease.key_id;
-    let finished: i64 = sqlx::query_scalar(
+    let timed = Timed::new(
         r#"
         WITH finished AS (
             UPDATE idempotency_keys
@@ -497,28 +500,32 @@ pub(super) async fn finish_key<P: RecoveryPoint>(
                 response_headers = $6,
                 response_body    = $7,
                 locked_until     = NULL,
-                finished_at      = coalesce($8::timestamptz, now())
+                finished_at      = $now
             WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             RETURNING owner, id
         ), untracked AS (
+            -- The owner as a parameter too, so that Citus addresses this delete to the key's
+            -- shard (through the CTE alone it would send it to every shard).
             DELETE FROM idempotency_keys_unfinished u USING finished f
-            WHERE u.owner = f.owner AND u.key_id = f.id
+            WHERE u.owner = $2 AND u.owner = f.owner AND u.key_id = f.id
         )
         SELECT count(*) FROM finished
         "#,
-    )
-    .bind(key_id)
-    .bind(lease.owner.as_str())
-    .bind(lease.token)
-    .bind(P::FINISHED.name())
-    .bind(response.status as i16)
-    .bind(Json(&response.headers))
-    .bind(&response.body)
-    .bind(now)
-    .persistent(persistent)
-    .fetch_one(conn)
-    .await
-    .map_err(Error::db(format!("finish key {key_id}")))?;
+        now,
+    );
+    let finished: i64 = sqlx::query_scalar(timed.sql())
+        .bind(key_id)
+        .bind(lease.owner.as_str())
+        .bind(lease.token)
+        .bind(P::FINISHED.name())
+        .bind(response.status as i16)
+        .bind(Json(&response.headers))
+        .bind(&response.body)
+        .bind_now(&timed)
+        .persistent(persistent)
+        .fetch_one(conn)
+        .await
+        .map_err(Error::db(format!("finish key {key_id}")))?;
     if finished == 0 {
         return Err(Error::LeaseLost {
             key_id,

@@ -8,6 +8,7 @@
 //! extended from the transaction's start, or the stored response. The row lock taken at the
 //! fence serialises the step against any claimer, exactly as a phase's fenced update does.
 
+use crate::clock::BindTime;
 use std::time::{Duration, Instant};
 
 use sqlx::{PgConnection, Postgres, Transaction};
@@ -104,30 +105,31 @@ impl Store {
                 to: to.name(),
             });
         }
-        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(
+        let timed = self.timed(
             r#"
             UPDATE idempotency_keys
             SET recovery_point = $4,
-                locked_until   = coalesce($5::timestamptz, now()) + $6 * interval '1 millisecond',
-                last_run_at    = coalesce($5::timestamptz, now())
+                locked_until   = $now + $5 * interval '1 millisecond',
+                last_run_at    = $now
             WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
             RETURNING locked_until
             "#,
-        )
-        .bind(lease.key_id)
-        .bind(lease.owner.as_str())
-        .bind(lease.token)
-        .bind(to.name())
-        .bind(self.now())
-        .bind(self.ttl_millis())
-        .persistent(self.persistent())
-        .fetch_optional(conn)
-        .await
-        .map_err(Error::db(format!(
-            "move key {} to {}",
-            lease.key_id,
-            to.name()
-        )))?;
+        );
+        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(timed.sql())
+            .bind(lease.key_id)
+            .bind(lease.owner.as_str())
+            .bind(lease.token)
+            .bind(to.name())
+            .bind(self.ttl_millis())
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .fetch_optional(conn)
+            .await
+            .map_err(Error::db(format!(
+                "move key {} to {}",
+                lease.key_id,
+                to.name()
+            )))?;
         locked_until.ok_or(Error::LeaseLost {
             key_id: lease.key_id,
             token: lease.token,

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use idempotency::Lease;
+use idempotency::{BindTime, Lease};
 use sqlx::types::Json;
 use time::OffsetDateTime;
 
@@ -69,16 +69,16 @@ impl ChargeTarget {
     ) -> Result<Self, BookingError> {
         let window = state.gateway_key_window.as_millis().min(i64::MAX as u128) as i64;
         let mut conn = state.store.autocommit().await.map_err(db("load ride"))?;
-        let target = sqlx::query_as(
+        let timed = state.store.timed(
             r#"
             SELECT r.id AS ride_id, r.amount_cents, r.charge_id,
                    u.stripe_customer_id AS customer,
                    r.charge_generation AS generation,
                    r.charge_first_attempt_at AS first_attempt_at,
                    r.charge_generation_at
-                       <= coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+                       <= $now - $3 * interval '1 millisecond'
                        AS past_window,
-                   coalesce(r.charge_attempted_at, coalesce($3::timestamptz, now()))
+                   coalesce(r.charge_attempted_at, $now)
                        AS attempted_at,
                    r.charge_attempted_at IS NULL AS attempts_unknown,
                    r.charge_doubt AS doubt, r.charge_refusal AS refusal,
@@ -87,16 +87,17 @@ impl ChargeTarget {
             FROM rides r JOIN users u ON u.id = r.user_id
             WHERE r.user_id = $1 AND r.idempotency_key_id = $2
             "#,
-        )
-        .bind(rider(lease)?)
-        .bind(lease.key_id())
-        .bind(state.store.now())
-        .bind(window)
-        .persistent(state.store.persistent())
-        .fetch_optional(conn.conn())
-        .await
-        .map_err(db("load ride"))?
-        .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", lease.key_id())))?;
+        );
+        let target = sqlx::query_as(timed.sql())
+            .bind(rider(lease)?)
+            .bind(lease.key_id())
+            .bind(window)
+            .bind_now(&timed)
+            .persistent(state.store.persistent())
+            .fetch_optional(conn.conn())
+            .await
+            .map_err(db("load ride"))?
+            .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", lease.key_id())))?;
         conn.done().await.map_err(db("load ride"))?;
         Ok(target)
     }
@@ -296,25 +297,35 @@ pub(super) async fn record_attempt(
     let point = lease.recovery_point();
     let mut phase = state.store.phase(lease, point).await?;
     // Past the window, no call leaves: the last call's time stays what it was, unless none
-    // was recorded (a ride of an earlier version).
+    // was recorded (a ride of an earlier version). The time is bound, not `now()` inside the
+    // CASE (Citus refuses a non-immutable function there): the database's clock is read in the
+    // phase's own transaction first, and `now()` is the transaction's time, so it is the same
+    // instant the statement would have seen.
+    let now: OffsetDateTime = match state.store.now() {
+        Some(now) => now,
+        None => sqlx::query_scalar("SELECT now()")
+            .persistent(state.store.persistent())
+            .fetch_one(phase.conn())
+            .await
+            .map_err(db("read the database's clock"))?,
+    };
     let (attempted_at, past_window): (OffsetDateTime, bool) = sqlx::query_as(
         r#"
         UPDATE rides SET charge_attempted_at = CASE
                              WHEN charge_attempted_at IS NOT NULL
                               AND charge_generation_at
-                                  <= coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+                                  <= $3::timestamptz - $4 * interval '1 millisecond'
                              THEN charge_attempted_at
-                             ELSE coalesce($3::timestamptz, now()) END,
-                         updated_at = now()
+                             ELSE $3::timestamptz END,
+                         updated_at = $3::timestamptz
         WHERE id = $1 AND user_id = $2
         RETURNING charge_attempted_at,
-                  charge_generation_at
-                      <= coalesce($3::timestamptz, now()) - $4 * interval '1 millisecond'
+                  charge_generation_at <= $3::timestamptz - $4 * interval '1 millisecond'
         "#,
     )
     .bind(target.ride_id)
     .bind(user_id)
-    .bind(state.store.now())
+    .bind(now)
     .bind(window)
     .persistent(state.store.persistent())
     .fetch_one(phase.conn())

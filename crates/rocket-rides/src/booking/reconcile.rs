@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use idempotency::Lease;
+use idempotency::{BindTime, Lease, Timed};
 use serde_json::json;
 use sqlx::types::Json;
 use time::OffsetDateTime;
@@ -137,22 +137,23 @@ async fn wait_for_calls(
         .autocommit()
         .await
         .map_err(db("read the ride's last gateway call"))?;
-    let left: i64 = sqlx::query_scalar(
+    let timed = state.store.timed(
         r#"
-        SELECT ceil(extract(epoch FROM coalesce(charge_attempted_at, coalesce($4::timestamptz, now()))
+        SELECT ceil(extract(epoch FROM coalesce(charge_attempted_at, $now)
                                        + $3 * interval '1 millisecond'
-                                       - coalesce($4::timestamptz, now())) * 1000)::bigint
+                                       - $now) * 1000)::bigint
         FROM rides WHERE user_id = $1 AND id = $2
         "#,
-    )
-    .bind(rider(lease)?)
-    .bind(target.ride_id)
-    .bind(bound)
-    .bind(state.store.now())
-    .persistent(state.store.persistent())
-    .fetch_one(conn.conn())
-    .await
-    .map_err(db("read the ride's last gateway call"))?;
+    );
+    let left: i64 = sqlx::query_scalar(timed.sql())
+        .bind(rider(lease)?)
+        .bind(target.ride_id)
+        .bind(bound)
+        .bind_now(&timed)
+        .persistent(state.store.persistent())
+        .fetch_one(conn.conn())
+        .await
+        .map_err(db("read the ride's last gateway call"))?;
     conn.done()
         .await
         .map_err(db("read the ride's last gateway call"))?;
@@ -324,22 +325,24 @@ async fn next_generation(
     let now = state.store.now();
     let point = lease.recovery_point();
     let mut phase = state.store.phase(lease, point).await?;
-    let (generation, generation_at): (i32, OffsetDateTime) = sqlx::query_as(
+    let timed = Timed::new(
         "UPDATE rides SET charge_generation = charge_generation + 1,
-                          charge_generation_at = coalesce($3::timestamptz, now()),
-                          charge_attempted_at = coalesce($3::timestamptz, now()),
+                          charge_generation_at = $now,
+                          charge_attempted_at = $now,
                           charge_doubt = NULL, charge_refusal = NULL,
                           updated_at = now()
          WHERE id = $1 AND user_id = $2
          RETURNING charge_generation, charge_generation_at",
-    )
-    .bind(target.ride_id)
-    .bind(user_id)
-    .bind(now)
-    .persistent(state.store.persistent())
-    .fetch_one(phase.conn())
-    .await
-    .map_err(db("start a new charge generation"))?;
+        now,
+    );
+    let (generation, generation_at): (i32, OffsetDateTime) = sqlx::query_as(timed.sql())
+        .bind(target.ride_id)
+        .bind(user_id)
+        .bind_now(&timed)
+        .persistent(state.store.persistent())
+        .fetch_one(phase.conn())
+        .await
+        .map_err(db("start a new charge generation"))?;
     audit(
         phase.conn(),
         state.store.persistent(),

@@ -6,6 +6,7 @@
 //! behind a pooler in transaction mode, a named prepared statement would be missing, or another
 //! client's, on the server connection the next transaction gets.
 
+use idempotency::BindTime;
 use sqlx::PgConnection;
 use time::OffsetDateTime;
 
@@ -22,14 +23,14 @@ pub(crate) async fn insert_ride(
     key_id: Option<i64>,
     request: &RideRequest,
 ) -> Result<(i64, OffsetDateTime), BookingError> {
-    sqlx::query_as(
+    let timed = state.store.timed(
         r#"
         WITH ride AS (
             INSERT INTO rides (user_id, key_owner, idempotency_key_id, origin_lat, origin_lon,
                                target_lat, target_lon, amount_cents, charge_first_attempt_at,
                                charge_generation_at, charge_attempted_at)
-            VALUES ($1, $1::text, $2, $3, $4, $5, $6, $7, coalesce($8::timestamptz, now()),
-                    coalesce($8::timestamptz, now()), coalesce($8::timestamptz, now()))
+            VALUES ($1, $1::text, $2, $3, $4, $5, $6, $7, $now,
+                    $now, $now)
             RETURNING id, charge_first_attempt_at
         ), audited AS (
             INSERT INTO audit_records (user_id, action, resource_type, resource_id, data)
@@ -38,19 +39,20 @@ pub(crate) async fn insert_ride(
         )
         SELECT id, charge_first_attempt_at FROM ride
         "#,
-    )
-    .bind(user_id)
-    .bind(key_id)
-    .bind(request.origin_lat)
-    .bind(request.origin_lon)
-    .bind(request.target_lat)
-    .bind(request.target_lon)
-    .bind(request.amount_cents)
-    .bind(state.store.now())
-    .persistent(state.store.persistent())
-    .fetch_one(conn)
-    .await
-    .map_err(db("insert ride"))
+    );
+    sqlx::query_as(timed.sql())
+        .bind(user_id)
+        .bind(key_id)
+        .bind(request.origin_lat)
+        .bind(request.origin_lon)
+        .bind(request.target_lat)
+        .bind(request.target_lon)
+        .bind(request.amount_cents)
+        .bind_now(&timed)
+        .persistent(state.store.persistent())
+        .fetch_one(conn)
+        .await
+        .map_err(db("insert ride"))
 }
 
 /// A paid charge on its ride, its audit record and the ride's receipt job, in one statement;

@@ -22,7 +22,7 @@ const TABLES: [&str; 6] = [
 ];
 
 /// The column that names a table's user: the library's key tables call it the key's owner.
-fn owner_column(table: &str) -> &'static str {
+pub(super) fn owner_column(table: &str) -> &'static str {
     if table.starts_with("idempotency_keys") {
         "owner"
     } else {
@@ -31,7 +31,7 @@ fn owner_column(table: &str) -> &'static str {
 }
 
 /// The marker of a statement that reads across users on purpose.
-const ALL_USERS: &str = "-- all users:";
+pub(super) const ALL_USERS: &str = "-- all users:";
 
 /// Unique indexes that do not include user_id, each for a reason docs/scaling.md gives.
 const UNIQUE_WITHOUT_USER: [&str; 1] = [
@@ -42,7 +42,7 @@ const UNIQUE_WITHOUT_USER: [&str; 1] = [
 ];
 
 /// Every string literal of a Rust source, comments and char literals skipped.
-fn string_literals(source: &str) -> Vec<String> {
+pub(super) fn string_literals(source: &str) -> Vec<String> {
     let chars: Vec<char> = source.chars().collect();
     let (mut i, mut found) = (0, Vec::new());
     while i < chars.len() {
@@ -121,7 +121,7 @@ fn string_literals(source: &str) -> Vec<String> {
     found
 }
 
-fn rust_files(dir: &Path, into: &mut Vec<PathBuf>) {
+pub(super) fn rust_files(dir: &Path, into: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.is_dir() {
@@ -139,7 +139,7 @@ fn is_migration_plan(path: &Path) -> bool {
 }
 
 /// The table a statement touches, if it is one of ours.
-fn touched_table(sql: &str) -> Option<&'static str> {
+pub(super) fn touched_table(sql: &str) -> Option<&'static str> {
     let words: Vec<String> = sql
         .split(|c: char| !(c.is_alphanumeric() || c == '_'))
         .filter(|w| !w.is_empty())
