@@ -314,19 +314,21 @@ pub(super) async fn record_attempt(
         UPDATE rides SET charge_attempted_at = CASE
                              WHEN charge_attempted_at IS NOT NULL
                               AND charge_generation_at
-                                  <= $3::timestamptz - $4 * interval '1 millisecond'
+                                  <= $4::timestamptz
                              THEN charge_attempted_at
                              ELSE $3::timestamptz END,
                          updated_at = $3::timestamptz
         WHERE id = $1 AND user_id = $2
         RETURNING charge_attempted_at,
-                  charge_generation_at <= $3::timestamptz - $4 * interval '1 millisecond'
+                  charge_generation_at <= $4::timestamptz
         "#,
     )
     .bind(target.ride_id)
     .bind(user_id)
     .bind(now)
-    .bind(window)
+    // The window's edge computed here, not in SQL: `timestamptz - interval` is a stable
+    // function, which Citus refuses inside a CASE of an UPDATE.
+    .bind(now - time::Duration::milliseconds(window))
     .persistent(state.store.persistent())
     .fetch_one(phase.conn())
     .await
