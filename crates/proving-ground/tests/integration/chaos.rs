@@ -225,7 +225,9 @@ fn a_crash_of_postgresql_under_asynchronous_commits_loses_acknowledged_rides() {
     for report in &failed_control(
         "async-commit",
         150,
-        &["database"],
+        // Every family, as before: with the database's faults alone, seeds 4 and 6 of 1-6 lost
+        // no acknowledged commit (why is not yet known; seed 6 passed its audit).
+        &FAMILIES,
         &["--without", "durable-commit"],
     ) {
         assert_eq!(
