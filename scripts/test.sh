@@ -1,18 +1,43 @@
 #!/usr/bin/env bash
-# The whole test suite: makes PostgreSQL available (scripts/postgres.sh), then runs every test of
-# the workspace against it with cargo-nextest (installed with `cargo install` where missing): each
-# test in a process of its own, as many at once as there are cores, the heavy ones (clusters,
-# chaos, the benchmark) one at a time (.config/nextest.toml). Each database test gets a fresh
-# database of its own (crates/testdb: cloned from a template migrated once; or #[sqlx::test]).
-# Then the doctests, which nextest does not run, and the PgBouncer pass below.
+# The tests, in two tiers.
+#
+#   scripts/test.sh           the fast tier: every unit and database test of every crate, the
+#                             protocol model, the doctests, the PgBouncer pass below, and one
+#                             seeded chaos run (every fault family, 1000 requests, seed 42).
+#                             Leaves out only the chaos harness's negative controls and runs under
+#                             PgBouncer and Patroni, and the benchmark's end-to-end tests
+#                             (.config/nextest.toml, profile `fast`).
+#   scripts/test.sh --heavy   every test of the workspace, those included (what CI's test step
+#                             runs), without the seeded chaos run: CI runs three of its own.
+#   scripts/test.sh --full    everything CI runs (.ci/run): formatting, lints, docs, packages, the
+#                             scripts' checks, the chaos runs, --heavy, the benchmark.
+#
+# Makes PostgreSQL available (scripts/postgres.sh), then runs the tests against it with
+# cargo-nextest (installed with `cargo install` where missing): each test in a process of its
+# own, as many at once as there are cores, the heavy ones (clusters, chaos, the benchmark) one at
+# a time (.config/nextest.toml). Each database test gets a fresh database of its own
+# (crates/testdb: cloned from a template migrated once; or #[sqlx::test]). Then the doctests,
+# which nextest does not run, and the PgBouncer pass below.
 #
 # Ends with the slowest test binaries and tests, and one line that totals every result:
-# "N passed, M failed". Arguments go to every `cargo nextest run` (a filter, `--no-capture`, …).
+# "N passed, M failed". Further arguments go to every `cargo nextest run` (a filter,
+# `--no-capture`, …).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 . scripts/lib.sh
 SCRIPT=test.sh
+
+# The tier: `fast` (the nextest profile without the heavy end-to-end runs) or `default` (every
+# test).
+profile=fast
+case ${1:-} in
+--full) exec .ci/run ;;
+--heavy)
+    profile=default
+    shift
+    ;;
+esac
 
 if ! cargo nextest --version >/dev/null 2>&1; then
     log "cargo-nextest not found; cargo install --locked cargo-nextest"
@@ -33,8 +58,9 @@ runs=0
 # is kept for the summary.
 nextest() {
     runs=$((runs + 1))
-    ${bound:+timeout "$bound"} cargo nextest run --locked --no-fail-fast "$@" || status=1
-    cp target/nextest/default/junit.xml "$work/run-$runs.xml" 2>/dev/null ||
+    ${bound:+timeout "$bound"} cargo nextest run --profile "$profile" --locked --no-fail-fast \
+        "$@" || status=1
+    cp "target/nextest/$profile/junit.xml" "$work/run-$runs.xml" 2>/dev/null ||
         log "no JUnit report from run $runs"
 }
 # The protocol model (crates/protocol-model) runs apart, below, with its output shown.
@@ -59,6 +85,22 @@ if pooler_url=$(scripts/pgbouncer.sh "$DATABASE_URL"); then
 else
     log "could not start PgBouncer for the store's tests through it"
     status=1
+fi
+
+# The fast tier's one chaos run: every fault family, seeded as CI's first run (.ci/run), which
+# must pass its audit. The negative controls, which show that the audit can fail, are in the
+# heavy tier; the auditor's own unit tests (each check passing and failing on made-up evidence)
+# ran above.
+if [[ $profile == fast ]]; then
+    log "one seeded chaos run (scripts/chaos.sh --requests 1000 --seed 42)"
+    chaos_start=$SECONDS
+    if scripts/chaos.sh --requests 1000 --seed 42 >"$work/chaos.log" 2>&1; then
+        log "the chaos run passed its audit in $((SECONDS - chaos_start)) s (report in target/chaos)"
+    else
+        status=1
+        tail -n 40 "$work/chaos.log" >&2
+        log "the chaos run FAILED after $((SECONDS - chaos_start)) s (report in target/chaos)"
+    fi
 fi
 
 # Where the time went, and the total. Each JUnit file is one nextest run; cargo test prints one

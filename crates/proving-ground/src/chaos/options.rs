@@ -86,8 +86,13 @@ pub enum FaultFamily {
     Kill,
     /// Process crashes at exact points of the phase machine (failpoints).
     Crash,
-    /// Gateway latency, errors before and after charging, dropped connections, 409 in flight.
+    /// Gateway latency, errors before and after charging, dropped connections, 409 in flight,
+    /// refusals, intermediaries' answers, forgotten keys.
     Gateway,
+    /// Charges that straddle their key's window: scripted requests whose charge is still being
+    /// made when the window has passed. A run with them lasts at least the window (42 s), so a
+    /// run that tests something else can switch them off.
+    Straddle,
     /// Delay, reset and blackhole on the loopback proxies.
     Network,
     /// `pg_terminate_backend` of the service's database connections (idle ones, and ones in

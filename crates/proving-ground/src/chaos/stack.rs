@@ -320,15 +320,14 @@ impl Gateway {
             });
         }
         let (mut straddlers, mut intermediated) = (Vec::new(), Vec::new());
+        // Under Patroni, no straddles: a failover in the last seconds of a straddle's key
+        // window keeps its held attempt from the gateway, and the straddle is spoiled (its
+        // script fails its customer's charges for good). The runs without Patroni prove the
+        // guard they test.
+        if args.on(FaultFamily::Straddle) && !args.patroni() {
+            straddlers = clients::dedicated_users(pool, &stripe, "straddler", STRADDLES).await?;
+        }
         if args.on(FaultFamily::Gateway) {
-            // Under Patroni, no straddles: a failover in the last seconds of a straddle's key
-            // window keeps its held attempt from the gateway, and the straddle is spoiled (its
-            // script fails its customer's charges for good). The runs without Patroni prove
-            // the guard they test.
-            if !args.patroni() {
-                straddlers =
-                    clients::dedicated_users(pool, &stripe, "straddler", STRADDLES).await?;
-            }
             intermediated =
                 clients::dedicated_users(pool, &stripe, "intermediated", intermediary::USERS)
                     .await?;

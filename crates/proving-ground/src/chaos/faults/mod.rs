@@ -7,6 +7,7 @@
 //! | kill | SIGKILL and SIGSTOP of the processes, leases taken over | [`kill`] |
 //! | crash | the service's crash points, armed through its environment | [`crash_spec`] |
 //! | gateway | the in-process gateway's faults; keys forgotten, a customer deleted | [`gateway`] |
+//! | straddle | charges held across their key's window | [`straddle`] |
 //! | network | the loopback proxies | [`network_faults`] |
 //! | database | backends terminated, commits cut, PostgreSQL crashed or failed over | [`database`] |
 //! | (`--ha patroni`) | the leader's postmaster or agent killed, a switchover | [`patroni`] |
@@ -63,6 +64,9 @@ pub(crate) enum Required {
     /// When its family is on, unless `--ha patroni` (which makes no straddles, and whose run
     /// in CI is short).
     WithoutPatroni,
+    /// When its family and the straddles are on, unless `--ha patroni`: the straddles make the
+    /// run outlast the gateway's key TTL.
+    WithStraddles,
     /// When the gateway or the network faults are on: a lease is taken over only from a holder
     /// waiting on a slow gateway call, which slow charges or a slow network make.
     WithSlowCalls,
@@ -117,7 +121,8 @@ pub(crate) const FAULTS: &[FaultKind] = &[
     failpoint("crash_after_gateway_charge", "after_gateway_charge", 0.025),
     failpoint("crash_after_finished", "after_finished", 0.015),
     failpoint("crash_after_receipt_effect", "after_receipt_effect", 0.04),
-    // Gateway: drawn by the gateway, or made by faults/gateway.rs and straddle.rs.
+    // Gateway: drawn by the gateway, or made by faults/gateway.rs (and the straddles, a family
+    // of their own, by straddle.rs).
     FaultKind {
         required: Required::Never,
         ambient: true,
@@ -160,10 +165,10 @@ pub(crate) const FAULTS: &[FaultKind] = &[
     ),
     // Made by deleting a customer (faults/gateway.rs), counted as the gateway refuses.
     gateway("gateway_refuse", |_| {}, |c| c.refused),
-    // Keys are forgotten 55 s after they finished: a short run under Patroni, which has no
-    // straddles to outlast, may end first.
+    // Keys are forgotten 55 s after they finished: a short run without straddles to outlast
+    // (under Patroni, or with `--no straddle`) may end first.
     FaultKind {
-        required: Required::WithoutPatroni,
+        required: Required::WithStraddles,
         ..task("gateway_forget_keys", FaultFamily::Gateway)
     },
     gateway(
@@ -184,7 +189,7 @@ pub(crate) const FAULTS: &[FaultKind] = &[
     ),
     FaultKind {
         required: Required::WithoutPatroni,
-        ..task(straddle::KIND, FaultFamily::Gateway)
+        ..task(straddle::KIND, FaultFamily::Straddle)
     },
     // Drawn by the gateway, and scripted for a few requests (intermediary.rs).
     gateway(
@@ -332,6 +337,9 @@ pub(crate) fn configured(args: &ChaosArgs) -> Vec<&'static str> {
             }
             Required::WithPatroni => args.patroni(),
             Required::WithoutPatroni => args.on(kind.family) && !args.patroni(),
+            Required::WithStraddles => {
+                args.on(kind.family) && args.on(FaultFamily::Straddle) && !args.patroni()
+            }
             Required::WithSlowCalls => args.on(kind.family) && slow_calls,
             Required::Never => false,
         })
