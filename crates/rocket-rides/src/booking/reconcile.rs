@@ -119,9 +119,10 @@ pub(super) async fn reconcile(
 }
 
 /// Never list while a call may still be running: a charge still being made inside the gateway
-/// is in no list yet, and a new generation would charge a second time. The list waits until the
-/// last call under the current key is older than `--gateway-processing-bound`; until then the
-/// request answers 503 with the time left as `Retry-After`, and the completer waits as long.
+/// is in no list yet, and a new generation would charge a second time. A call leaves at most one
+/// `--lease-heartbeat` after its record (`charge.rs`), so the list waits until the last call's
+/// record is older than the heartbeat plus `--gateway-processing-bound`; until then the request
+/// answers 503 with the time left as `Retry-After`, and the completer waits as long.
 async fn wait_for_calls(
     state: &AppState,
     lease: &Lease<RidePoint>,
@@ -131,7 +132,7 @@ async fn wait_for_calls(
         // The chaos harness's negative control: the list is made at once.
         return Ok(());
     }
-    let bound = millis(state.gateway_processing_bound);
+    let bound = state.gateway_processing_bound + state.store.heartbeat();
     let mut conn = state
         .store
         .autocommit()
@@ -148,7 +149,7 @@ async fn wait_for_calls(
     let left: i64 = sqlx::query_scalar(timed.sql())
         .bind(rider(lease)?)
         .bind(target.ride_id)
-        .bind(bound)
+        .bind(millis(bound))
         .bind_now(&timed)
         .persistent(state.store.persistent())
         .fetch_one(conn.conn())
@@ -160,7 +161,7 @@ async fn wait_for_calls(
     if left > 0 {
         state.metrics.reconciliation(Reconciliation::Deferred);
         // Never more than the bound itself, whatever a step of the database's clock says.
-        let retry_after = Duration::from_millis(left as u64).min(state.gateway_processing_bound);
+        let retry_after = Duration::from_millis(left as u64).min(bound);
         tracing::info!(
             key_id = lease.key_id(),
             ride_id = target.ride_id,
