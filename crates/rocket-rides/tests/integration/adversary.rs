@@ -226,8 +226,11 @@ async fn defended_an_intermediary_json_error_on_a_resumed_call_is_reconciled_and
     // Either an unknown outcome (503 gateway-unavailable) or a refusal after an attempt of
     // unknown outcome, kept and reconciled (503 payment-unconfirmed): never final.
     assert_eq!(second.status, 503, "{second:?}");
-    app.clock
-        .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    app.clock.advance(
+        DEFAULT_GATEWAY_PROCESSING_BOUND
+            + rocket_rides::config::DEFAULT_LEASE_HEARTBEAT
+            + Duration::from_secs(1),
+    );
     let third = until_final(&app, &api_key, "k-1").await;
     assert_eq!(third.status, 201, "{third:?}");
     assert_one_key_one_effect(&app, user_id, "resumed call").await;
@@ -329,8 +332,11 @@ async fn defended_a_deleted_customer_after_an_attempt_that_never_reached_the_gat
         (503, types::PAYMENT_UNCONFIRMED),
         "a refusal after an attempt of unknown outcome is not final at once: {second:?}"
     );
-    app.clock
-        .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    app.clock.advance(
+        DEFAULT_GATEWAY_PROCESSING_BOUND
+            + rocket_rides::config::DEFAULT_LEASE_HEARTBEAT
+            + Duration::from_secs(1),
+    );
     let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(third.status, 502, "{third:?}");
     assert_eq!(app.charges().await, 0);
@@ -420,8 +426,11 @@ async fn defended_an_idempotency_error_over_a_pending_charge_adopts_it_and_settl
         "{second:?}"
     );
     app.set_faults(Faults::none());
-    app.clock
-        .advance(DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    app.clock.advance(
+        DEFAULT_GATEWAY_PROCESSING_BOUND
+            + rocket_rides::config::DEFAULT_LEASE_HEARTBEAT
+            + Duration::from_secs(1),
+    );
     let third = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
     assert_eq!(
         (third.status, common::problem_kind(&third).as_str()),

@@ -703,8 +703,11 @@ async fn the_completer_finishes_a_key_the_gateway_refuses_for_good_instead_of_re
         .advance(settings().completer_backoff + Duration::from_secs(1));
     let report = completer::run_once(&app.state, &settings()).await.unwrap();
     assert_eq!(report.claimed, 0, "{report:?}");
-    app.clock
-        .advance(rocket_rides::config::DEFAULT_GATEWAY_PROCESSING_BOUND + Duration::from_secs(1));
+    app.clock.advance(
+        rocket_rides::config::DEFAULT_GATEWAY_PROCESSING_BOUND
+            + rocket_rides::config::DEFAULT_LEASE_HEARTBEAT
+            + Duration::from_secs(1),
+    );
     let report = completer::run_once(&app.state, &settings()).await.unwrap();
     assert_eq!((report.claimed, report.finished), (1, 1), "{report:?}");
     assert_eq!(unfinished(&app).await, 0);
