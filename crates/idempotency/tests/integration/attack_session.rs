@@ -38,6 +38,9 @@ enum Mode {
     PanicOnce,
     /// Moves to `B`, whose step moves back to `A`: never an answer.
     Cycle,
+    /// The first step calls the gateway (the key committed at `Started` for it), then halts
+    /// with `Halt::retry`: a gateway that answered too late.
+    CallFirstThenRetry,
 }
 
 #[derive(Default)]
@@ -61,6 +64,11 @@ impl Workflow for Probe {
     async fn step(&self, point: Point, step: &mut Step<'_, Point>) -> Result<Advance<Point>, Halt> {
         let knobs = &self.1;
         match (point, self.0) {
+            (Point::Started, Mode::CallFirstThenRetry) => {
+                step.call(async { knobs.calls.fetch_add(1, Ordering::SeqCst) })
+                    .await?;
+                Err(Halt::retry("the gateway's answer came too late"))
+            }
             (Point::Started, _) => {
                 write(step, "started").await?;
                 Ok(Advance::To(Point::A))
@@ -100,6 +108,7 @@ impl Workflow for Probe {
                 write(step, "b").await?;
                 Ok(Advance::To(Point::A))
             }
+            (Point::A, Mode::CallFirstThenRetry) => unreachable!("halts at Started"),
             (Point::Finished, _) => unreachable!("the driver never steps a finished key"),
         }
     }
@@ -171,6 +180,10 @@ impl Fixture {
         .fetch_optional(&self.pool)
         .await
         .unwrap()
+    }
+
+    async fn finished(&self, key: &str) -> bool {
+        self.row(key).await.expect("the key exists").1
     }
 
     async fn writes(&self) -> Vec<String> {
@@ -309,4 +322,103 @@ async fn a_workflow_that_never_finishes_stops_at_max_steps_and_stores_no_answer(
     assert_eq!((finished, leased), (false, false), "released, unanswered");
     // The first step, then MAX_STEPS - 1 more, each committed with its point.
     assert_eq!(f.writes().await.len(), idempotency::workflow::MAX_STEPS);
+}
+
+/// The retirement of abandoned keys (what `idempotency_axum::Retirer` runs) on a route it shares
+/// with a workflow whose completer works its keys (a route moved from the HTTP layer to a
+/// workflow keeps the layer's old unfinished keys beside the workflow's). It must finish only
+/// keys left alone for `after`, and only those its writer marked: a workflow key whose gateway
+/// call was made is the completer's to finish, however old, not to be answered "abandoned,
+/// outcome unknown"; and a marked key a completer tried seconds ago is not abandoned.
+#[testdb::test(template = crate::migrated)]
+async fn retirement_leaves_alone_a_key_it_did_not_mark_and_a_key_tried_recently(pool: PgPool) {
+    const TAG: &str = "idempotency_layer";
+    const DAY: Duration = Duration::from_secs(24 * 3600);
+    let f = fixture(pool).await;
+    // Two workflow keys: each first step's gateway call was made, and the step halted.
+    for key in ["recent", "old"] {
+        let outcome = f
+            .store
+            .run(&f.probe(Mode::CallFirstThenRetry), request(key))
+            .await;
+        assert!(matches!(outcome, Outcome::RetryLater { .. }), "{outcome:?}");
+    }
+    // A layer key whose holder died.
+    let _dead = claim_marked(&f, "layer-tried").await;
+    // A minute later a completer of the route tries all three and backs off for 5 s.
+    f.clock.advance(Duration::from_secs(61));
+    let leases = f
+        .store
+        .claim_abandoned::<Point>("POST", ROUTE, Duration::from_secs(60), 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        leases.len(),
+        3,
+        "the completer takes every key of its route"
+    );
+    for lease in leases {
+        f.store
+            .release_with_backoff(lease.unwrap(), Duration::from_secs(5))
+            .await
+            .unwrap();
+    }
+    f.clock.advance(Duration::from_secs(10));
+    // A layer key whose holder died two days ago, and a workflow key left as long (its
+    // completer was not running). Claimed now and aged by hand: a lease cannot outlast an hour,
+    // and the completer above must not have tried the layer key.
+    let _dead = claim_marked(&f, "layer-old").await;
+    sqlx::query(
+        "UPDATE idempotency_keys SET last_run_at = last_run_at - interval '2 days', \
+         locked_until = locked_until - interval '2 days' \
+         WHERE idempotency_key IN ('layer-old', 'old')",
+    )
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let answer = idempotency::StoredResponse::json(500, &json!({"retired": true}), vec![]);
+    let retired = f
+        .store
+        .retire_abandoned(TAG, DAY, &answer, 100)
+        .await
+        .unwrap();
+    assert!(
+        f.finished("layer-old").await,
+        "the old marked key is retired"
+    );
+    assert!(
+        !f.finished("old").await,
+        "a workflow's key is its completer's, however old"
+    );
+    assert!(
+        !f.finished("recent").await,
+        "a workflow's key tried seconds ago is its completer's"
+    );
+    assert!(
+        !f.finished("layer-tried").await,
+        "a marked key tried seconds ago is not abandoned"
+    );
+    assert_eq!(retired, 1);
+    assert_eq!(f.knobs.calls.load(Ordering::SeqCst), 2);
+}
+
+/// Claims a new key as the HTTP layer does (its mark in the stored parameters) and leaves it.
+async fn claim_marked(f: &Fixture, key: &str) -> idempotency::Lease<idempotency::store::OneStep> {
+    let (owner, key) = (
+        Owner::new("alice").unwrap(),
+        IdempotencyKey::parse(key.as_bytes()).unwrap(),
+    );
+    let marked = json!({"idempotency_layer": 1, "method": "POST", "target": ROUTE, "body": {}});
+    let claim = NewRequest {
+        owner: &owner,
+        method: "POST",
+        route: ROUTE,
+        key: &key,
+        fingerprint: Fingerprint::of_json("POST", ROUTE, &marked),
+        params: &marked,
+    };
+    match f.store.claim(claim).await.unwrap() {
+        Claim::Acquired(lease) => lease,
+        other => panic!("a new key is acquired, got {other:?}"),
+    }
 }
