@@ -253,3 +253,76 @@ async fn a_waiter_with_the_same_payload_gets_the_holders_answer_once_stored(pool
     );
     assert_eq!(g.calls.load(Ordering::SeqCst), 1);
 }
+
+/// Counts the claims that found their key held.
+#[derive(Default)]
+struct InFlightClaims(AtomicUsize);
+
+impl idempotency::Observer for InFlightClaims {
+    fn claimed(
+        &self,
+        _route: &str,
+        outcome: idempotency::ClaimOutcome,
+        _took: std::time::Duration,
+    ) {
+        if outcome == idempotency::ClaimOutcome::InFlight {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A waiter reads "a few times a second" at most (`WAIT_POLL_MAX`), the layer's docs say. A
+/// transactional holder does not renew its lease: past its TTL its row reads as claimable while
+/// its transaction still holds the row's lock, so every re-claim finds it in flight, and the
+/// waiter's reads start over from `WAIT_POLL_FIRST` (20 ms) each time: a claim and a read every
+/// 20 ms for the whole wait (44 claims in a one-second wait before the fix). Counted over a wait of one second, with an upper bound that a slow
+/// machine only makes easier to meet (pauses only get longer).
+#[testdb::test(template = crate::migrated)]
+async fn a_waiter_on_a_transactional_holder_past_its_lease_backs_off(pool: PgPool) {
+    let clock = idempotency::ManualClock::starting_now();
+    let claims = Arc::new(InFlightClaims::default());
+    let store = Store::new(
+        pool.clone(),
+        Arc::new(clock.clone()),
+        std::time::Duration::from_secs(30),
+    )
+    .unwrap()
+    .with_observer(claims.clone());
+    let (entered, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (e, g) = (entered.clone(), gate.clone());
+    let app = Router::new()
+        .route(
+            "/orders",
+            post(move || {
+                let (entered, gate) = (e.clone(), g.clone());
+                async move {
+                    entered.notify_one();
+                    gate.notified().await;
+                    StatusCode::CREATED
+                }
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(store, |_| Ok(Owner::from(1))).transactional());
+    let holder = {
+        let app = app.clone();
+        tokio::spawn(async move { read(send(&app, "u", "/orders", "{}", false).await).await })
+    };
+    entered.notified().await;
+    clock.advance(std::time::Duration::from_secs(31));
+    let request = Request::post("/orders")
+        .header("content-type", "application/json")
+        .header("idempotency-key", "k1")
+        .header("prefer", "wait=1")
+        .body(Body::from("{}"))
+        .unwrap();
+    let (status, _, _) = read(app.clone().oneshot(request).await.unwrap()).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let in_flight = claims.0.load(Ordering::SeqCst);
+    gate.notify_one();
+    assert_eq!(holder.await.unwrap().0, StatusCode::CREATED);
+    // Backing off to 250 ms, a one-second wait claims a handful of times; 12 leaves room.
+    assert!(
+        in_flight <= 12,
+        "{in_flight} claims in a wait of one second"
+    );
+}
