@@ -90,7 +90,7 @@
 //! lets the key go (a 5xx, a crash whose lease runs out), it claims the key itself and runs the
 //! handler as any retry would; past N, the usual 409. It holds no pooled connection while it waits:
 //! it reads the key now and then, each read a short statement on a pooled connection
-//! ([`idempotency::Store::wait_for_answer`]), so a storm of waiters cannot starve the pool.
+//! ([`idempotency::Store::wait_for_answer_paced`]), so a storm of waiters cannot starve the pool.
 //! `wait=0`, and a malformed `wait` (`wait=abc`, `wait=1.5`), mean no wait.
 //!
 //! # Every key finishes

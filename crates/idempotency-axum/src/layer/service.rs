@@ -282,6 +282,10 @@ where
     };
     let deadline = scoped.wait.map(|wait| Instant::now() + wait);
     let (mut claim, mut held) = claim_any(&layer, &fingerprints, &request).await?;
+    // Kept across the claims between waits, so that a holder whose row reads claimable but
+    // whose claim still answers in flight (a transactional holder past its lease) is not read
+    // and claimed again every first pause.
+    let mut pause = idempotency::wait::WAIT_POLL_FIRST;
     // A duplicate whose client asked to wait: until the holder answers, lets the key go (the
     // claim is then made again, and may acquire it), or the deadline comes.
     while let (Claim::InFlight { .. }, Some(deadline)) = (&claim, deadline) {
@@ -290,7 +294,7 @@ where
         }
         match layer
             .store
-            .wait_for_answer(&request(held), deadline)
+            .wait_for_answer_paced(&request(held), deadline, &mut pause)
             .await
             .map_err(store_failed)?
         {

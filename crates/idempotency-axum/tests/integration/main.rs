@@ -2,6 +2,7 @@
 //! test binary of its own.
 
 mod adversary;
+mod attack_session;
 mod http;
 mod layer;
 mod retire;

@@ -40,6 +40,22 @@ impl Store {
         grace: Duration,
         limit: i64,
     ) -> Result<Vec<Result<Lease<P>, Error>>, Error> {
+        self.claim_abandoned_marked(method, route, grace, limit, None)
+            .await
+    }
+
+    /// [`Store::claim_abandoned`], or with `marked`, the retirement's claim: only the keys whose
+    /// stored parameters carry the top-level member `marked`, and only those last attempted
+    /// more than `grace` ago, even if a completer worked them (a key another writer left on the
+    /// route, or one its completer tried a minute ago, is not abandoned).
+    pub(crate) async fn claim_abandoned_marked<P: RecoveryPoint>(
+        &self,
+        method: &str,
+        route: &str,
+        grace: Duration,
+        limit: i64,
+        marked: Option<&str>,
+    ) -> Result<Vec<Result<Lease<P>, Error>>, Error> {
         let context = || format!("claim abandoned keys of {method} {route}");
         let now = self.now();
         let grace = grace.as_millis().min(i64::MAX as u128) as i64;
@@ -56,8 +72,10 @@ impl Store {
               AND k.finished_at IS NULL
               AND (k.locked_until IS NULL OR k.locked_until <= $now)
               -- The grace, from the last attempt, protects a client still retrying its own key;
-              -- once a completer has worked the key, only its backoff applies.
-              AND (k.completer_attempts > 0
+              -- once a completer has worked the key, only its backoff applies. The retirement
+              -- ($5, its mark) takes only its marked keys, and only past the grace.
+              AND ($5::text IS NULL OR k.request_params ? $5)
+              AND ((k.completer_attempts > 0 AND $5::text IS NULL)
                    OR k.last_run_at <= $now - $1 * interval '1 millisecond')
               AND (k.next_attempt_at IS NULL
                    OR k.next_attempt_at <= $now)
@@ -71,6 +89,7 @@ impl Store {
             .bind(limit.clamp(1, 10_000) * CANDIDATES_PER_CLAIM)
             .bind(method)
             .bind(route)
+            .bind(marked)
             .bind_now(&timed)
             .persistent(self.persistent())
             .fetch_all(db.conn())
@@ -93,7 +112,8 @@ impl Store {
                     WHERE owner = $3 AND id = $4
                       AND finished_at IS NULL
                       AND (locked_until IS NULL OR locked_until <= $now)
-                      AND (completer_attempts > 0
+                      AND ($5::text IS NULL OR request_params ? $5)
+                      AND ((completer_attempts > 0 AND $5::text IS NULL)
                            OR last_run_at <= $now - $1 * interval '1 millisecond')
                       AND (next_attempt_at IS NULL OR next_attempt_at <= $now)
                     FOR UPDATE SKIP LOCKED
@@ -116,6 +136,7 @@ impl Store {
                 .bind(self.ttl_millis())
                 .bind(&owner)
                 .bind(key_id)
+                .bind(marked)
                 .bind_now(&timed)
                 .persistent(self.persistent())
                 .fetch_optional(db.conn());

@@ -21,9 +21,10 @@ impl Store {
     /// Each is claimed like a completer claims ([`Store::claim_abandoned`], a fresh fencing token,
     /// `SKIP LOCKED`), at most `limit` per route, and then finished in a final phase: a holder
     /// still alive, or a client's retry that took the key meanwhile, is never overwritten, and a
-    /// stale holder's later write is fenced out. Every key of a route found so is retired, marked
-    /// or not: the routes are those of the marked keys. Retire only keys whose requests cannot be
-    /// resumed: for those a completer can finish, run the completer.
+    /// stale holder's later write is fenced out. Only marked keys are retired, and only those
+    /// last attempted more than `after` ago, by anyone: a key another writer left on the same
+    /// route (a workflow's, which its completer finishes) is never touched, nor a key a
+    /// completer tried within `after`. Mark only keys whose requests cannot be resumed.
     pub async fn retire_abandoned(
         &self,
         tag: &str,
@@ -59,7 +60,7 @@ impl Store {
         let mut retired = 0;
         for (method, route) in routes {
             for lease in self
-                .claim_abandoned::<OneStep>(&method, &route, after, limit)
+                .claim_abandoned_marked::<OneStep>(&method, &route, after, limit, Some(tag))
                 .await?
             {
                 let mut lease = match lease {

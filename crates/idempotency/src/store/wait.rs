@@ -113,16 +113,30 @@ impl Store {
         deadline: Instant,
     ) -> Result<KeyState, Error> {
         let mut pause = WAIT_POLL_FIRST;
+        self.wait_for_answer_paced(req, deadline, &mut pause).await
+    }
+
+    /// [`Store::wait_for_answer`] for a waiter that claims again between waits: `pause` is the
+    /// next pause, kept across its calls (start it at [`WAIT_POLL_FIRST`]), so that a key read
+    /// as claimable whose claim still finds it in flight (a transactional holder past its lease
+    /// keeps the row locked) does not start the reads over at [`WAIT_POLL_FIRST`]: the waiter
+    /// still reads and claims at most every [`WAIT_POLL_MAX`] once the holder is slow.
+    pub async fn wait_for_answer_paced(
+        &self,
+        req: &NewRequest<'_>,
+        deadline: Instant,
+        pause: &mut Duration,
+    ) -> Result<KeyState, Error> {
         loop {
             let now = Instant::now();
             if now < deadline {
-                tokio::time::sleep(pause.min(deadline - now)).await;
+                tokio::time::sleep((*pause).min(deadline - now)).await;
             }
+            *pause = (*pause * 2).min(WAIT_POLL_MAX);
             let state = self.key_state(req).await?;
             if !matches!(state, KeyState::Held { .. }) || Instant::now() >= deadline {
                 return Ok(state);
             }
-            pause = (pause * 2).min(WAIT_POLL_MAX);
         }
     }
 }

@@ -2,6 +2,7 @@
 //! test binary of its own. Database tests get a fresh database each; see each module's opening.
 
 mod adversary;
+mod attack_session;
 mod expiry;
 mod handover;
 mod lease;

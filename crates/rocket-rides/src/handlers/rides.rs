@@ -96,6 +96,8 @@ pub async fn create(
                 params: &params,
             };
             let mut begun = begin(&state.store, request_key).await?;
+            // Kept across the claims between waits (see `Store::wait_for_answer_paced`).
+            let mut pause = idempotency::wait::WAIT_POLL_FIRST;
             // A duplicate whose client asked to wait (`Prefer: wait=N`): until the holder
             // answers (its answer, replayed), lets the key go (claimed again: this request may
             // resume it), or the deadline comes (the usual 409). Between reads it holds no
@@ -105,7 +107,11 @@ pub async fn create(
                 if Instant::now() >= deadline {
                     break;
                 }
-                match state.store.wait_for_answer(&request_key, deadline).await? {
+                match state
+                    .store
+                    .wait_for_answer_paced(&request_key, deadline, &mut pause)
+                    .await?
+                {
                     KeyState::Finished(stored) => return Ok(replayed_response(&stored)),
                     KeyState::Held { lease_left } => {
                         let retry_after = lease_left;

@@ -2,6 +2,7 @@
 //! each module below was a test binary of its own.
 
 mod adversary;
+mod attack_session;
 mod citus_rules;
 mod common;
 mod distribution;
