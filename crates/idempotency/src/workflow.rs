@@ -105,7 +105,10 @@ pub trait Workflow: Send + Sync + 'static {
     type Point: RecoveryPoint;
 
     /// The route template the keys are scoped by (`/accounts/{id}/transfers`), never a concrete
-    /// path: the completer finds every key of the route by it.
+    /// path: the completer finds every key of the route by it. The path's parameters (the
+    /// account's `id`) must be in the request's parameters: the fingerprint is made of the
+    /// method, this template and the parameters, so a request that left them out would replay
+    /// one account's answer to the same key and body sent to another.
     fn route(&self) -> &str;
 
     /// The HTTP method: `POST` unless told otherwise.
@@ -207,7 +210,9 @@ pub struct Request {
 }
 
 impl Request {
-    /// A request of `owner` with `key` and `params`.
+    /// A request of `owner` with `key` and `params`. `params` holds everything the steps need,
+    /// the path's parameters included ([`Workflow::route`]): the completer resumes from them, and
+    /// the fingerprint that tells a replay from a reused key is made of them.
     pub fn new(owner: Owner, key: IdempotencyKey, params: Value) -> Self {
         Self {
             owner,
