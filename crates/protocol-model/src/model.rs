@@ -21,12 +21,15 @@ pub struct Scope {
     pub generations: u8,
     /// Whether a holder may stand still between the phase that records its call
     /// (`record_attempt`) and the call's departure. Off, the record, the lease check and the
-    /// send are one step. On, the model finds a double charge (see the crate's docs).
+    /// send are one step. On, a holder that stood still a heartbeat records its call anew
+    /// ([`Protection::SendWithinAHeartbeatOfItsRecord`]); without that, the model finds a
+    /// double charge.
     pub pause_between_record_and_send: bool,
     /// Whether a holder that took a key over may stand still between reading its ride
     /// (`ChargeTarget::load`, which decides whether the generation is past the window) and its
-    /// next step. Off, it moves on at once. On, the model finds a double charge (see the
-    /// crate's docs).
+    /// next step. Off, it moves on at once. On, the window is decided again by the call's
+    /// record ([`Protection::WindowDecidedAtTheRecord`]); without that, the model finds a
+    /// double charge.
     pub pause_after_reading_the_ride: bool,
     /// Whether the two clients are counted as one when they merely swapped places (a state and
     /// its mirror behave alike). Halves the states; a trace's "client 0" and "client 1" may
