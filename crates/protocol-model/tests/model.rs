@@ -170,13 +170,11 @@ fn keeps_every_property(model: ProtocolModel) {
 }
 
 /// A holder may stand still between the phase that records its call and the call's departure.
-/// No faults beyond the pauses and the timeouts, and two generations (a double charge across
-/// the window is a first and a second generation's): a bigger scope outgrows CI's two minutes.
+/// No faults beyond the pauses and the timeouts: a bigger scope outgrows CI's two minutes.
 fn pause_between_record_and_send(symmetry: bool) -> Scope {
     Scope {
         pause_between_record_and_send: true,
         symmetry,
-        generations: 2,
         ..narrow(0)
     }
 }
@@ -187,7 +185,6 @@ fn pause_after_reading_the_ride(symmetry: bool) -> Scope {
     Scope {
         pause_after_reading_the_ride: true,
         symmetry,
-        generations: 2,
         ..narrow(0)
     }
 }
