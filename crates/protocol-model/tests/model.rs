@@ -209,6 +209,8 @@ fn a_holder_that_stands_still_after_recording_its_call_records_it_anew_and_charg
     ));
 }
 
+// The shortest double charge in this scope is the first call's, as without the pause: one
+// protection covers a recorded call that stood still and a first call sent late.
 #[test]
 fn sending_late_after_a_pause_between_record_attempt_and_the_send_hides_the_charge_from_the_list() {
     without_in(
