@@ -229,6 +229,14 @@ fn step_words(model: &ProtocolModel, s: &State, actor: Who, step: Step) -> Strin
             _ => "reconciles: a call may still be running: 503, releases".into(),
         },
         Step::RecordAttempt if ended => "record_attempt: lease lost, stops".into(),
+        Step::RecordAttempt | Step::CreateCharge
+            if run_after.is_some_and(|r| r.at == At::Charging) =>
+        {
+            "record_attempt: the generation is past the window, no call; reconciles".into()
+        }
+        Step::RecordAttempt if model.run(s, actor).at != At::Charging => {
+            "stood still a heartbeat since its record: record_attempt anew".into()
+        }
         Step::RecordAttempt => "record_attempt".into(),
         Step::CreateCharge if ended => "create charge: lease lost, stops".into(),
         Step::CreateCharge => {

@@ -3,6 +3,13 @@
 //! The real protocol is [`Protections::default`]: every protection on. A negative variant turns
 //! exactly one off ([`Protections::without`]); the model, the properties and the checker stay
 //! the same code, so a counterexample against a variant shows what that one protection is for.
+//!
+//! Not every relation the service checks at start is a protection of a property here: the key
+//! window's floor ([`Relation::KeyWindowFloor`]) keeps reconciliations for keys really left
+//! behind, rare. One charge per request does not rest on it, since every call leaves within a
+//! heartbeat of its record ([`Protection::SendWithinAHeartbeatOfItsRecord`]) and the list
+//! waits the processing bound past the last record ([`Protection::InFlightGuard`]);
+//! `tests/model.rs` checks the protocol with a window of one lease.
 
 use crate::properties::Name;
 use crate::settings::{Relation, Settings, GATEWAY_KEY_MEMORY};
@@ -24,8 +31,6 @@ pub enum Protection {
     LeaseClockFromTheSend,
     /// `--gateway-processing-bound` > `--gateway-timeout` (`config.rs`).
     ProcessingBoundAboveTheTimeout,
-    /// `--gateway-key-window` is at least its floor (`key_window_floor` in `config.rs`).
-    KeyWindowFloor,
     /// `--gateway-key-window` + the processing bound stays within the gateway's key memory
     /// (`config.rs`).
     KeyWindowWithinTheGatewaysMemory,
@@ -37,21 +42,34 @@ pub enum Protection {
     /// Only a 5xx the gateway replays is a stored error that reconciles at once; any other 5xx
     /// is transient (`ChargeError::StoredServerError` in `stripe.rs`).
     OnlyAReplayed5xxIsStored,
+    /// Every call leaves within one heartbeat of its record by the holder's own clock: a
+    /// holder that stood still longer since (a resumed call after its `record_attempt`, a
+    /// generation's first call after the phase that began it) records the call anew instead
+    /// of renewing its lease and sending late (`since_record` in `booking/charge.rs`). Without
+    /// it, a first call needs no record while a heartbeat of the lease is left, and a recorded
+    /// call that stood still renews its lease and goes.
+    SendWithinAHeartbeatOfItsRecord,
+    /// Whether the generation is past the key window is decided again by the statement that
+    /// records the call, against the database's clock (`record_attempt` in
+    /// `booking/charge.rs`); past it, nothing is sent and the key is reconciled. Without it,
+    /// the window is decided once, when the ride is read (`ChargeTarget::load`).
+    WindowDecidedAtTheRecord,
 }
 
 impl Protection {
     /// Every protection, in the order the docs list them.
-    pub const ALL: [Protection; 10] = [
+    pub const ALL: [Protection; 11] = [
         Protection::Fence,
         Protection::InFlightGuard,
         Protection::OnlyTheGatewaysWordIsFinal,
         Protection::LeaseClockFromTheSend,
         Protection::ProcessingBoundAboveTheTimeout,
-        Protection::KeyWindowFloor,
         Protection::KeyWindowWithinTheGatewaysMemory,
         Protection::ReaperSparesUnfinishedKeys,
         Protection::RefusalAfterAnUnknownOutcomeReconciles,
         Protection::OnlyAReplayed5xxIsStored,
+        Protection::SendWithinAHeartbeatOfItsRecord,
+        Protection::WindowDecidedAtTheRecord,
     ];
 
     /// The property that a model without this protection must break.
@@ -64,9 +82,10 @@ impl Protection {
             Protection::InFlightGuard
             | Protection::LeaseClockFromTheSend
             | Protection::ProcessingBoundAboveTheTimeout
-            | Protection::KeyWindowFloor
             | Protection::KeyWindowWithinTheGatewaysMemory
-            | Protection::OnlyAReplayed5xxIsStored => Name::OneChargePerRequest,
+            | Protection::OnlyAReplayed5xxIsStored
+            | Protection::SendWithinAHeartbeatOfItsRecord
+            | Protection::WindowDecidedAtTheRecord => Name::OneChargePerRequest,
         }
     }
 
@@ -76,7 +95,6 @@ impl Protection {
             Protection::ProcessingBoundAboveTheTimeout => {
                 Some(Relation::ProcessingBoundAboveTheTimeout)
             }
-            Protection::KeyWindowFloor => Some(Relation::KeyWindowFloor),
             Protection::KeyWindowWithinTheGatewaysMemory => {
                 Some(Relation::KeyWindowWithinTheGatewaysMemory)
             }
@@ -86,7 +104,9 @@ impl Protection {
             | Protection::LeaseClockFromTheSend
             | Protection::ReaperSparesUnfinishedKeys
             | Protection::RefusalAfterAnUnknownOutcomeReconciles
-            | Protection::OnlyAReplayed5xxIsStored => None,
+            | Protection::OnlyAReplayed5xxIsStored
+            | Protection::SendWithinAHeartbeatOfItsRecord
+            | Protection::WindowDecidedAtTheRecord => None,
         }
     }
 }
@@ -123,11 +143,6 @@ impl Protections {
             // The processing bound no longer than our own timeout.
             Some(Protection::ProcessingBoundAboveTheTimeout) => Settings {
                 gateway_processing_bound: model.gateway_timeout,
-                ..model
-            },
-            // A window as short as one lease.
-            Some(Protection::KeyWindowFloor) => Settings {
-                gateway_key_window: model.lease_ttl,
                 ..model
             },
             // A window longer than the gateway keeps its keys.

@@ -44,9 +44,11 @@ pub struct Settings {
     /// `--completer-grace`.
     pub completer_grace: Tick,
     /// `RECONCILE_CLOCK_SKEW` (10 minutes in `booking/reconcile.rs`): how far the reconciling
-    /// list's range reaches past the last record plus the processing bound. No setting and no
-    /// relation today; the model's value covers a first call sent a whole lease after its
-    /// record (the lease less a heartbeat), as the 10 minutes cover the default lease.
+    /// list's range reaches past the last record plus the processing bound, for a gateway whose
+    /// clock is not ours. The model's gateway keeps our clock, so the model's value is zero:
+    /// every call leaves within a heartbeat of its record
+    /// ([`crate::Protection::SendWithinAHeartbeatOfItsRecord`]), in the record's tick, and the
+    /// skew covers nothing else.
     pub reconcile_clock_skew: Tick,
 }
 
@@ -55,7 +57,7 @@ impl Settings {
     /// one margin above it but three heartbeats long, the processing bound one tick above the
     /// timeout, the window at its floor, the gateway's memory just covering the window and the
     /// bound, the retention at that memory (as `--key-retention` is at least Stripe's 24 hours),
-    /// the grace one tick above the lease, the skew the lease less a heartbeat.
+    /// the grace one tick above the lease, no clock skew.
     pub const MODEL: Settings = Settings {
         gateway_timeout: 1,
         lease_ttl: 3,
@@ -64,7 +66,7 @@ impl Settings {
         gateway_key_window: 12,
         key_retention: GATEWAY_KEY_MEMORY,
         completer_grace: 4,
-        reconcile_clock_skew: 2,
+        reconcile_clock_skew: 0,
     };
 
     /// The shortest key window these settings allow: twice the life of one attempt

@@ -31,6 +31,15 @@ impl ProtocolModel {
             {
                 Step::RecordAttempt
             }
+            // Stood still since its record for a heartbeat or more: recorded anew.
+            At::Recorded { .. }
+                if self
+                    .protections
+                    .has(Protection::SendWithinAHeartbeatOfItsRecord)
+                    && run.lease_age >= self.settings.lease_heartbeat =>
+            {
+                Step::RecordAttempt
+            }
             At::Charging | At::Recorded { .. } => Step::CreateCharge,
             At::Calling { sent_ago, .. } => {
                 if sent_ago < self.settings.gateway_timeout {
@@ -50,8 +59,12 @@ impl ProtocolModel {
             Step::ClaimAnswered => self.claim_answered(s, who),
             Step::Reconcile => self.reconcile(s, who),
             Step::RecordAttempt => {
-                let resumed = !self.run(s, who).target.fresh;
-                if self.record_attempt(s, who) {
+                let run = self.run(s, who);
+                let resumed = match run.at {
+                    At::Recorded { resumed } => resumed,
+                    _ => !run.target.fresh,
+                };
+                if self.record_attempt(s, who) == Some(true) {
                     self.run_mut(s, who).at = At::Recorded { resumed };
                 }
             }
@@ -253,11 +266,25 @@ impl ProtocolModel {
     }
 
     /// Whether a call must be recorded before it leaves: a resumed call always; the first of a
-    /// generation when the holder's lease is running out by its own clock.
+    /// generation when its holder stood still for a heartbeat since the phase that began it
+    /// (without [`Protection::SendWithinAHeartbeatOfItsRecord`]: only when its lease is
+    /// running out by its own clock).
+    ///
+    /// A tick is a heartbeat here: a call that leaves within a heartbeat of its record leaves in
+    /// the record's tick. The service's list and its wait count one heartbeat past the record
+    /// for the real time that "the same tick" stands for.
     pub(crate) fn needs_record(&self, s: &State, run: &Run) -> bool {
         let _ = s;
+        let heartbeat = self.settings.lease_heartbeat;
         !run.target.fresh
-            || self.lease_left(run.lease_age) < i16::from(self.settings.lease_heartbeat)
+            || if self
+                .protections
+                .has(Protection::SendWithinAHeartbeatOfItsRecord)
+            {
+                run.lease_age >= heartbeat
+            } else {
+                self.lease_left(run.lease_age) < i16::from(heartbeat)
+            }
     }
 
     /// A fenced write by `who`: `WHERE id = $1 AND lease_token = $2 AND finished_at IS NULL`.
@@ -321,15 +348,30 @@ impl ProtocolModel {
         }
     }
 
-    /// `record_attempt`: the call's time on the ride before it leaves.
-    fn record_attempt(&self, s: &mut State, who: Who) -> bool {
-        if !self.phase(s, who, |_| {}) {
-            return false;
+    /// `record_attempt`: the call's time on the ride before it leaves. The same fenced
+    /// statement decides whether the generation is past the key window
+    /// ([`Protection::WindowDecidedAtTheRecord`]): past it, nothing is recorded and the call
+    /// does not leave; the key is reconciled. `None`: the lease was lost; `Some(true)`: the
+    /// call may leave.
+    pub(crate) fn record_attempt(&self, s: &mut State, who: Who) -> Option<bool> {
+        let window = self.settings.gateway_key_window;
+        let at_the_record = self.protections.has(Protection::WindowDecidedAtTheRecord);
+        let mut past = false;
+        if !self.phase(s, who, |row| {
+            past = at_the_record && row.ride.generation_ago >= window;
+        }) {
+            return None;
+        }
+        if past {
+            let run = self.run_mut(s, who);
+            run.target.past_window = true;
+            run.at = At::Charging;
+            return Some(false);
         }
         let request = self.run(s, who).request;
         Self::recorded(s, request);
         self.run_mut(s, who).target.fresh = false;
-        true
+        Some(true)
     }
 
     /// `confirm_lease`: a renewal (fenced) when less than a heartbeat is left by the holder's
@@ -357,7 +399,7 @@ impl ProtocolModel {
             At::Recorded { resumed } => resumed,
             _ => {
                 let resumed = !run.target.fresh;
-                if self.needs_record(s, run) && !self.record_attempt(s, who) {
+                if self.needs_record(s, run) && self.record_attempt(s, who) != Some(true) {
                     return;
                 }
                 resumed
@@ -386,6 +428,8 @@ impl ProtocolModel {
 
     /// Whether `wait_for_calls` lets the list through: the last recorded call is at least the
     /// processing bound old (always, without the in-flight guard). `None`: the ride is gone.
+    /// The service waits a heartbeat more, as a call leaves up to a heartbeat after its record;
+    /// here it leaves in its record's tick, so that term is no tick (see `needs_record`).
     pub(crate) fn calls_over(&self, s: &State, run: &Run) -> Option<bool> {
         let row = s.key.as_ref().filter(|row| row.request == run.request)?;
         let doubt = run.target.doubt()?;
