@@ -140,25 +140,8 @@ impl Store {
         let context = || format!("open phase {point} of key {}", lease.key_id);
         let mut tx = self.pool.begin().await.map_err(Error::db(context()))?;
         // The lease is extended too: making progress is a sign of life.
-        let timed = self.timed(
-            r#"
-            UPDATE idempotency_keys
-            SET recovery_point = $4,
-                locked_until   = $now + $5 * interval '1 millisecond',
-                last_run_at    = $now
-            WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
-            RETURNING locked_until
-            "#,
-        );
-        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(timed.sql())
-            .bind(lease.key_id)
-            .bind(lease.owner.as_str())
-            .bind(lease.token)
-            .bind(point)
-            .bind(self.ttl_millis())
-            .bind_now(&timed)
-            .persistent(self.persistent())
-            .fetch_optional(&mut *tx)
+        let locked_until = self
+            .move_fenced(&mut tx, lease, point)
             .await
             .map_err(Error::db(context()))?;
         match locked_until {
@@ -169,6 +152,37 @@ impl Store {
                 token: lease.token,
             }),
         }
+    }
+
+    /// The fenced move of a key to recovery point `point`, its lease extended by one TTL from
+    /// now: the statement that opens a phase and that ends a workflow's step. `None`: the fence
+    /// matched nothing (the lease is lost, or the key finished).
+    pub(crate) async fn move_fenced<P: RecoveryPoint>(
+        &self,
+        conn: &mut PgConnection,
+        lease: &Lease<P>,
+        point: &str,
+    ) -> Result<Option<OffsetDateTime>, sqlx::Error> {
+        let timed = self.timed(
+            r#"
+            UPDATE idempotency_keys
+            SET recovery_point = $4,
+                locked_until   = $now + $5 * interval '1 millisecond',
+                last_run_at    = $now
+            WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
+            RETURNING locked_until
+            "#,
+        );
+        sqlx::query_scalar(timed.sql())
+            .bind(lease.key_id)
+            .bind(lease.owner.as_str())
+            .bind(lease.token)
+            .bind(point)
+            .bind(self.ttl_millis())
+            .bind_now(&timed)
+            .persistent(self.persistent())
+            .fetch_optional(conn)
+            .await
     }
 
     /// Extends a held lease by one TTL from now (a heartbeat during a long foreign call).

@@ -8,7 +8,6 @@
 //! extended from the transaction's start, or the stored response. The row lock taken at the
 //! fence serialises the step against any claimer, exactly as a phase's fenced update does.
 
-use crate::clock::BindTime;
 use std::time::{Duration, Instant};
 
 use sqlx::{PgConnection, Postgres, Transaction};
@@ -105,25 +104,8 @@ impl Store {
                 to: to.name(),
             });
         }
-        let timed = self.timed(
-            r#"
-            UPDATE idempotency_keys
-            SET recovery_point = $4,
-                locked_until   = $now + $5 * interval '1 millisecond',
-                last_run_at    = $now
-            WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
-            RETURNING locked_until
-            "#,
-        );
-        let locked_until: Option<OffsetDateTime> = sqlx::query_scalar(timed.sql())
-            .bind(lease.key_id)
-            .bind(lease.owner.as_str())
-            .bind(lease.token)
-            .bind(to.name())
-            .bind(self.ttl_millis())
-            .bind_now(&timed)
-            .persistent(self.persistent())
-            .fetch_optional(conn)
+        let locked_until = self
+            .move_fenced(conn, lease, to.name())
             .await
             .map_err(Error::db(format!(
                 "move key {} to {}",
