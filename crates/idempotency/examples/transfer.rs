@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idempotency::runner::DEFAULT_GRACE as GRACE;
 use idempotency::workflow::Completer;
 use idempotency::{
     Advance, Halt, IdempotencyKey, Outcome, Owner, Request, Step, Store, StoredResponse, Workflow,
@@ -167,7 +168,7 @@ async fn complete_abandoned(
     grace: Duration,
 ) -> Result<idempotency::runner::Pass, idempotency::Error> {
     Completer::new(app.store.clone(), app.transfer.clone())
-        .grace(grace)
+        .grace(grace)?
         .run_once()
         .await
 }
@@ -256,12 +257,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = App::new(Store::builder(pool).build()?);
     let key = IdempotencyKey::parse(format!("example-{}", idempotency::Uuid::new_v4()).as_bytes())?;
     let (alice, body) = (Owner::new("alice")?, json!({"to": 2, "amount_cents": 2500}));
-    // The first try fails with the notification service away, and the client gives up. The
-    // completer finishes the transfer (no grace: the key was released at once); the client's
-    // later send gets the stored answer.
+    // The first try fails with the notification service away; the client's retry resumes it and
+    // gets the stored answer. The completer (a grace above the lease TTL) finds nothing yet.
     app.transfer.notifier.fail_next(Fault::Down);
     let first = transfer(&app, alice.clone(), 1, key.clone(), &body).await;
-    let completed = complete_abandoned(&app, Duration::ZERO).await?.finished;
+    let completed = complete_abandoned(&app, GRACE).await?.finished;
     let retry = match transfer(&app, alice, 1, key, &body).await {
         Ok(Outcome::Replayed(answer)) => String::from_utf8_lossy(&answer.body).into_owned(),
         other => format!("{other:?}"),
@@ -277,7 +277,6 @@ mod tests {
     use idempotency::ManualClock;
 
     const TTL: Duration = Duration::from_secs(30);
-    const GRACE: Duration = Duration::from_secs(60);
 
     /// The owner of account 1, as the authentication would name her.
     fn alice() -> Owner {

@@ -177,13 +177,7 @@ impl Store {
     /// Sets [`Store::heartbeat`]: above zero and below half of the lease TTL, so that a renewal
     /// that fails once is tried again before the lease ends. By default a third of the TTL.
     pub fn with_heartbeat(mut self, period: Duration) -> Result<Self, Error> {
-        if period.is_zero() || period * 2 >= self.lease_ttl() {
-            return Err(Error::InvalidConfig(format!(
-                "the heartbeat must be above zero and below half of the lease TTL ({:?}), got {period:?}",
-                self.lease_ttl()
-            )));
-        }
-        self.heartbeat = period;
+        self.heartbeat = crate::store::check_heartbeat(self.lease_ttl(), period)?;
         Ok(self)
     }
 }

@@ -116,7 +116,7 @@ pub fn backoff(completer_attempts: i32, base: Duration, max: Duration) -> Durati
 
 /// How long a key is left to its client before a [`Completer`] takes it, by default: 60 s, or
 /// twice the store's lease TTL when the TTL is as long or longer (a grace must exceed the TTL,
-/// see [`Completer::try_grace`]).
+/// see [`Completer::grace`]).
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(60);
 /// The most keys a completer pass claims, by default: 50.
 pub const DEFAULT_BATCH: usize = 50;
@@ -173,8 +173,9 @@ impl Completer {
     /// At or below the TTL, a key whose request is alive but slow (between two renewals, or
     /// waiting for its next phase) could look abandoned, and the completer would take it over
     /// while its client's own retry is under way: two holders in turn where one would do, each
-    /// fenced but each making the client wait.
-    pub fn try_grace(self, grace: Duration) -> Result<Self, Error> {
+    /// fenced but each making the client wait. A test that wants a released key taken at once
+    /// moves its [`ManualClock`](crate::ManualClock) past the grace instead.
+    pub fn grace(mut self, grace: Duration) -> Result<Self, Error> {
         let ttl = self.store.lease_ttl();
         if grace <= ttl {
             return Err(Error::InvalidConfig(format!(
@@ -182,14 +183,14 @@ impl Completer {
                  or the completer races requests that are still alive"
             )));
         }
-        Ok(self.grace(grace))
+        self.grace = grace;
+        Ok(self)
     }
 
-    /// [`Completer::try_grace`] without its check, for tests that have the completer take a
-    /// released key at once (`Duration::ZERO`). A service sets its grace with `try_grace`.
-    pub fn grace(mut self, grace: Duration) -> Self {
-        self.grace = grace;
-        self
+    /// [`Completer::grace`], under the name it had before it was the only way to set a grace.
+    #[doc(hidden)]
+    pub fn try_grace(self, grace: Duration) -> Result<Self, Error> {
+        self.grace(grace)
     }
 
     /// The most keys one pass claims (at least one).
@@ -477,7 +478,7 @@ mod tests {
         let ttl = Duration::from_secs(30);
         for grace in [Duration::ZERO, ttl - Duration::from_millis(1), ttl] {
             let completer = Completer::new(store(ttl), "POST", "/rides");
-            match completer.try_grace(grace) {
+            match completer.grace(grace) {
                 Err(Error::InvalidConfig(message)) => {
                     assert!(message.contains(&format!("{grace:?}")), "{message}");
                     assert!(message.contains("30s"), "{message}");
@@ -486,7 +487,7 @@ mod tests {
             }
         }
         let completer = Completer::new(store(ttl), "POST", "/rides")
-            .try_grace(ttl + Duration::from_millis(1))
+            .grace(ttl + Duration::from_millis(1))
             .unwrap();
         assert_eq!(completer.grace, ttl + Duration::from_millis(1));
     }

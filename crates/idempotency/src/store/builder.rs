@@ -7,7 +7,7 @@ use sqlx::PgPool;
 
 use super::model::{Store, DEFAULT_LEASE_TTL};
 use super::Statements;
-use crate::observe::Observer;
+use crate::observe::{Observed, Observer};
 use crate::{Clock, DatabaseClock, Error};
 
 /// How long a finished key answers for its request when the builder is told nothing: 48 hours.
@@ -109,17 +109,121 @@ impl StoreBuilder {
     }
 
     /// The store, or [`Error::InvalidConfig`] naming the first setting out of range.
+    ///
+    /// Every rule on a store's settings is written once, below, and checked here; the older
+    /// [`Store::new`] is this builder with no retention, and [`Store::with_heartbeat`] and
+    /// [`Store::with_retention`] apply the same rules.
     pub fn build(self) -> Result<Store, Error> {
-        let mut store = Store::new(self.pool, self.clock, self.lease_ttl)?;
-        if let Some(period) = self.heartbeat {
-            store = store.with_heartbeat(period)?;
+        check_lease_ttl(self.lease_ttl)?;
+        let heartbeat = match self.heartbeat {
+            Some(period) => check_heartbeat(self.lease_ttl, period)?,
+            None => self.lease_ttl / 3,
+        };
+        let retention = self.retention.map(check_retention).transpose()?;
+        Ok(Store {
+            pool: self.pool,
+            clock: self.clock,
+            lease_ttl: self.lease_ttl,
+            heartbeat,
+            observer: self.observer.map_or_else(Observed::none, Observed::new),
+            retention,
+            statements: self.statements,
+        })
+    }
+}
+
+/// A lease TTL between 1 s and 1 h: shorter, a phase or a renewal cannot be sure to make it;
+/// longer, a dead holder keeps its key locked for longer than any client waits.
+fn check_lease_ttl(ttl: Duration) -> Result<Duration, Error> {
+    if ttl < Duration::from_secs(1) || ttl > Duration::from_secs(3600) {
+        return Err(Error::InvalidConfig(format!(
+            "lease TTL must be between 1 s and 1 h, got {ttl:?}"
+        )));
+    }
+    Ok(ttl)
+}
+
+/// A heartbeat above zero and below half of the lease TTL, so that a renewal that fails once is
+/// tried again before the lease ends.
+pub(crate) fn check_heartbeat(ttl: Duration, period: Duration) -> Result<Duration, Error> {
+    if period.is_zero() || period * 2 >= ttl {
+        return Err(Error::InvalidConfig(format!(
+            "the heartbeat must be above zero and below half of the lease TTL ({ttl:?}), got \
+             {period:?}"
+        )));
+    }
+    Ok(period)
+}
+
+/// A retention between [`Store::MIN_RETENTION`] and [`Store::MAX_RETENTION`] (why: there).
+pub(super) fn check_retention(retention: Duration) -> Result<Duration, Error> {
+    if !(Store::MIN_RETENTION..=Store::MAX_RETENTION).contains(&retention) {
+        return Err(Error::InvalidConfig(format!(
+            "the key retention must be between 1 h and 10 years (for good: set none), got \
+             {retention:?}"
+        )));
+    }
+    Ok(retention)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool() -> PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .unwrap()
+    }
+
+    fn refused(built: Result<Store, Error>) -> String {
+        match built {
+            Err(Error::InvalidConfig(why)) => why,
+            other => panic!("expected InvalidConfig, got {other:?}"),
         }
-        if let Some(retention) = self.retention {
-            store = store.with_retention(retention)?;
-        }
-        if let Some(observer) = self.observer {
-            store = store.with_observer(observer);
-        }
-        Ok(store.with_statements(self.statements))
+    }
+
+    #[tokio::test]
+    async fn build_refuses_each_setting_out_of_range_and_the_older_paths_say_the_same() {
+        let ttl = refused(Store::builder(pool()).lease_ttl(Duration::ZERO).build());
+        assert!(
+            ttl.contains("lease TTL must be between 1 s and 1 h"),
+            "{ttl}"
+        );
+        let new = Store::new(pool(), Arc::new(DatabaseClock), Duration::ZERO);
+        assert_eq!(refused(new), ttl);
+
+        let (thirty, fifteen) = (Duration::from_secs(30), Duration::from_secs(15));
+        let beat = refused(Store::builder(pool()).heartbeat(fifteen).build());
+        assert!(
+            beat.contains("below half of the lease TTL (30s), got 15s"),
+            "{beat}"
+        );
+        let store = Store::new(pool(), Arc::new(DatabaseClock), thirty).unwrap();
+        assert_eq!(refused(store.with_heartbeat(fifteen)), beat);
+
+        let short = Duration::from_secs(3599);
+        let kept = refused(Store::builder(pool()).retention(short).build());
+        assert!(kept.contains("between 1 h and 10 years"), "{kept}");
+        let store = Store::new(pool(), Arc::new(DatabaseClock), thirty).unwrap();
+        assert_eq!(refused(store.with_retention(short)), kept);
+    }
+
+    #[tokio::test]
+    async fn build_applies_what_it_accepts() {
+        let store = Store::builder(pool())
+            .lease_ttl(Duration::from_secs(9))
+            .heartbeat(Duration::from_secs(4))
+            .retention(Store::MIN_RETENTION)
+            .build()
+            .unwrap();
+        assert_eq!(store.lease_ttl(), Duration::from_secs(9));
+        assert_eq!(store.heartbeat(), Duration::from_secs(4));
+        assert_eq!(store.retention(), Some(Store::MIN_RETENTION));
+        let defaults = Store::builder(pool()).build().unwrap();
+        assert_eq!(defaults.heartbeat(), DEFAULT_LEASE_TTL / 3);
+        assert_eq!(defaults.retention(), Some(DEFAULT_RETENTION));
+        let bare = Store::new(pool(), Arc::new(DatabaseClock), DEFAULT_LEASE_TTL).unwrap();
+        assert_eq!(bare.retention(), None);
     }
 }

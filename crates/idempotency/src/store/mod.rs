@@ -92,6 +92,7 @@ pub(super) fn unless_cancelled(cancelled: bool, context: String) -> Result<(), E
     Ok(())
 }
 
+pub(crate) use builder::check_heartbeat;
 pub use builder::{StoreBuilder, DEFAULT_RETENTION};
 pub use claim::{Begun, FirstPhase};
 pub use maintenance::{KeyFilter, KeyRecord};

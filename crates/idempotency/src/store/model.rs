@@ -232,22 +232,17 @@ impl Store {
     /// A store over `pool`, with `clock` for lease arithmetic and leases of `lease_ttl`, renewed
     /// every third of it under [`Store::call_under_lease`] (see [`Store::with_heartbeat`]). It
     /// has no retention: a finished key replays for as long as its row exists (see
-    /// [`Store::with_retention`]).
+    /// [`Store::with_retention`]). It is [`Store::builder`] with [`StoreBuilder::keep_forever`],
+    /// and refuses what [`StoreBuilder::build`] refuses (a TTL outside 1 s to 1 h).
+    ///
+    /// [`StoreBuilder::keep_forever`]: super::StoreBuilder::keep_forever
+    /// [`StoreBuilder::build`]: super::StoreBuilder::build
     pub fn new(pool: PgPool, clock: Arc<dyn Clock>, lease_ttl: Duration) -> Result<Self, Error> {
-        if lease_ttl < Duration::from_secs(1) || lease_ttl > Duration::from_secs(3600) {
-            return Err(Error::InvalidConfig(format!(
-                "lease TTL must be between 1 s and 1 h, got {lease_ttl:?}"
-            )));
-        }
-        Ok(Self {
-            pool,
-            clock,
-            lease_ttl,
-            heartbeat: lease_ttl / 3,
-            observer: Observed::none(),
-            retention: None,
-            statements: super::Statements::Prepared,
-        })
+        Self::builder(pool)
+            .clock(clock)
+            .lease_ttl(lease_ttl)
+            .keep_forever()
+            .build()
     }
 
     /// Sets how long a finished key answers for its request: between [`Store::MIN_RETENTION`]
@@ -280,13 +275,7 @@ impl Store {
     /// By default a store has no retention, so that upgrading the library changes no answer:
     /// keys replay until something deletes them ([`Store::reap_finished`]), as before.
     pub fn with_retention(mut self, retention: Duration) -> Result<Self, Error> {
-        if retention < Self::MIN_RETENTION || retention > Self::MAX_RETENTION {
-            return Err(Error::InvalidConfig(format!(
-                "the key retention must be between 1 h and 10 years (for good: set none), got \
-                 {retention:?}"
-            )));
-        }
-        self.retention = Some(retention);
+        self.retention = Some(super::builder::check_retention(retention)?);
         Ok(self)
     }
 

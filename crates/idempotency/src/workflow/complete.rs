@@ -46,10 +46,11 @@ impl<W: Workflow> Completer<W> {
     }
 
     /// How long a key must have been left alone before it is taken ([`runner::DEFAULT_GRACE`]
-    /// by default); keep it above the lease TTL.
-    pub fn grace(mut self, grace: Duration) -> Self {
-        self.inner = self.inner.grace(grace);
-        self
+    /// by default): above the store's lease TTL, or [`Error::InvalidConfig`] naming both (why:
+    /// [`runner::Completer::grace`]).
+    pub fn grace(mut self, grace: Duration) -> Result<Self, Error> {
+        self.inner = self.inner.grace(grace)?;
+        Ok(self)
     }
 
     /// The backoff after a key's first failed attempt, doubled after each further one up to
@@ -138,4 +139,50 @@ pub async fn run_until<W: Workflow>(
         completer.run_until(every, wait(signal.clone())),
         reap
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workflow::{Advance, Halt, Step};
+    use crate::OneStep;
+
+    #[derive(Debug)]
+    struct Nothing;
+
+    impl Workflow for Nothing {
+        type Point = OneStep;
+
+        fn route(&self) -> &str {
+            "/nothing"
+        }
+
+        async fn step(
+            &self,
+            _: OneStep,
+            _: &mut Step<'_, OneStep>,
+        ) -> Result<Advance<OneStep>, Halt> {
+            unreachable!("the completer is never run here")
+        }
+    }
+
+    #[tokio::test]
+    async fn a_grace_at_or_below_the_lease_ttl_is_refused() {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .unwrap();
+        let ttl = Duration::from_secs(30);
+        let store = Store::builder(pool).lease_ttl(ttl).build().unwrap();
+        let completer = || Completer::new(store.clone(), Arc::new(Nothing));
+        for grace in [Duration::ZERO, ttl] {
+            match completer().grace(grace) {
+                Err(Error::InvalidConfig(why)) => {
+                    assert!(why.contains(&format!("grace ({grace:?})")), "{why}");
+                    assert!(why.contains("lease TTL (30s)"), "{why}");
+                }
+                other => panic!("grace {grace:?} accepted: {other:?}"),
+            }
+        }
+        assert!(completer().grace(ttl + Duration::from_millis(1)).is_ok());
+    }
 }

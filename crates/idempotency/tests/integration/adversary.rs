@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use idempotency::runner::DEFAULT_GRACE;
 use idempotency::{
     Abandoned, Claim, Completer, DatabaseClock, Error, Fingerprint, IdempotencyKey, Lease,
     ManualClock, NewRequest, OffsetDateTime, OneStep, Owner, Resumed, Store, StoredResponse,
@@ -315,18 +316,19 @@ async fn abandoned_keys(store: &Store, n: usize) {
 #[testdb::test(template = crate::migrated)]
 async fn two_completers_at_once_run_each_abandoned_key_once(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
+    let clock = ManualClock::starting_now();
     let store = Store::new(
         pool.clone(),
-        Arc::new(DatabaseClock),
+        Arc::new(clock.clone()),
         Duration::from_secs(30),
     )
     .unwrap();
     abandoned_keys(&store, 24).await;
+    clock.advance(DEFAULT_GRACE + Duration::from_secs(1));
     let runs: Arc<Mutex<Vec<i64>>> = Arc::default();
     let completer = |store: Store| {
         let runs = runs.clone();
         let completer = Completer::new(store.clone(), "POST", ROUTE)
-            .grace(Duration::ZERO)
             .concurrency(3)
             .batch(100);
         async move {
@@ -357,12 +359,7 @@ async fn two_completers_at_once_run_each_abandoned_key_once(pool: PgPool) {
         .connect_with(pool.connect_options().as_ref().clone())
         .await
         .unwrap();
-    let second = Store::new(
-        second_pool,
-        Arc::new(DatabaseClock),
-        Duration::from_secs(30),
-    )
-    .unwrap();
+    let second = Store::new(second_pool, Arc::new(clock), Duration::from_secs(30)).unwrap();
     let (a, b) = tokio::join!(completer(store.clone()), completer(second));
     let mut runs = runs.lock().unwrap().clone();
     let total = runs.len();
@@ -400,8 +397,8 @@ async fn a_lying_or_panicking_closure_leaves_its_key_to_the_next_pass(pool: PgPo
     let clock = ManualClock::starting_now();
     let store = Store::new(pool.clone(), Arc::new(clock.clone()), TTL).unwrap();
     abandoned_keys(&store, 2).await;
+    clock.advance(DEFAULT_GRACE + Duration::from_secs(1));
     let completer = Completer::new(store.clone(), "POST", ROUTE)
-        .grace(Duration::ZERO)
         .backoff(Duration::from_secs(60), Duration::from_secs(60));
     let calls = Arc::new(AtomicUsize::new(0));
     let c = calls.clone();
@@ -496,8 +493,8 @@ async fn a_client_retry_during_the_completers_backoff_wins_and_the_completer_sta
             .unwrap(),
     );
     store.release(lease).await.unwrap();
+    clock.advance(DEFAULT_GRACE + Duration::from_secs(1));
     let completer = Completer::new(store.clone(), "POST", ROUTE)
-        .grace(Duration::ZERO)
         .backoff(Duration::from_secs(60), Duration::from_secs(600));
     let pass = completer
         .run_once(|lease: Lease<OneStep>| async move { Resumed::failed(lease, "gateway away") })

@@ -416,7 +416,9 @@ async fn the_completer_finishes_a_crashed_run_with_the_same_workflow(pool: PgPoo
     };
     f.knobs.paused.notified().await;
     caller.abort();
-    let completer = Completer::new(f.store.clone(), f.transfer.clone()).grace(GRACE);
+    let completer = Completer::new(f.store.clone(), f.transfer.clone())
+        .grace(GRACE)
+        .unwrap();
     assert_eq!(
         completer.run_once().await.unwrap().claimed,
         0,
@@ -444,6 +446,7 @@ async fn the_completer_backs_off_a_transient_halt_and_finishes_later(pool: PgPoo
     ));
     let completer = Completer::new(f.store.clone(), f.transfer.clone())
         .grace(GRACE)
+        .unwrap()
         .backoff(Duration::from_secs(5), Duration::from_secs(60));
     f.clock.advance(GRACE + Duration::from_secs(1));
     let pass = completer.run_once().await.unwrap();
