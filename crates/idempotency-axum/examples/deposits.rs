@@ -7,7 +7,7 @@
 //! gets that answer with `Idempotent-Replayed: true`; a handler that crashes after its writes
 //! leaves nothing, and the retry deposits once; the key with another amount is a 422. The
 //! handler makes no foreign call, as the transaction stays open while it runs (a deposit that
-//! calls a gateway is written as phases: the `idempotency` crate's `transfer` example).
+//! calls a gateway is a workflow of steps: the `idempotency` crate's `transfer` example).
 //!
 //! Run it against any PostgreSQL (it creates the library's tables, `deposit_accounts` and
 //! `deposits`): it serves on a loopback port, sends itself a deposit, its retry and the key with
@@ -17,23 +17,21 @@
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres cargo run -p idempotency-axum --example deposits
 //! ```
 
-use std::sync::Arc;
-use std::time::Duration;
-
 use axum::extract::Path;
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
 use http::request::Parts;
 use http::{header, StatusCode};
-use idempotency::{DatabaseClock, Owner, Store};
+use idempotency::{Owner, Store};
 use idempotency_axum::{ClaimedKey, IdempotencyLayer, KeyTransaction, Problem};
 use serde::Deserialize;
 use serde_json::json;
 use sqlx::PgPool;
 
-/// The route. The layer scopes a key by the concrete path: one key on two accounts is two
-/// deposits.
+/// The route. The layer scopes a key by this template (axum's `MatchedPath`) and puts the
+/// concrete path in the fingerprint: one key sent to two accounts is one key with two payloads,
+/// and the second is refused (422).
 const DEPOSITS: &str = "/accounts/{id}/deposits";
 
 /// The largest deposit accepted: 10 000.00 (the 422's detail says so).
@@ -168,7 +166,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL to a PostgreSQL database")?;
     let pool = PgPool::connect(&url).await?;
     create_schema(&pool).await?;
-    let store = Store::new(pool, Arc::new(DatabaseClock), Duration::from_secs(30))?;
+    let store = Store::builder(pool).build()?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
     println!("serving on {base}");
@@ -221,18 +219,17 @@ mod tests {
 
     async fn store(pool: &PgPool) -> Store {
         create_schema(pool).await.unwrap();
-        Store::new(
-            pool.clone(),
-            Arc::new(DatabaseClock),
-            Duration::from_secs(30),
-        )
-        .unwrap()
+        Store::builder(pool.clone()).build().unwrap()
     }
 
     /// Sends user 7's deposit of 25.00 into account 1 under `key`: the status, whether it was
     /// replayed, and the body.
     async fn send(app: &Router, key: &str) -> (StatusCode, bool, Vec<u8>) {
-        let request = http::Request::post("/accounts/1/deposits")
+        send_to(app, 1, key).await
+    }
+
+    async fn send_to(app: &Router, account: i64, key: &str) -> (StatusCode, bool, Vec<u8>) {
+        let request = http::Request::post(format!("/accounts/{account}/deposits"))
             .header("idempotency-key", key)
             .header("x-user-id", "7")
             .header("content-type", "application/json")
@@ -285,6 +282,27 @@ mod tests {
         let (status, replayed, _) = send(&app(store), "k1").await;
         assert_eq!((status, replayed), (StatusCode::CREATED, false));
         assert_eq!(ledger(&pool).await, (1, 2500), "one deposit");
+    }
+
+    #[sqlx::test(migrations = false)]
+    async fn one_key_sent_to_another_account_is_refused_as_another_payload(pool: PgPool) {
+        let app = app(store(&pool).await);
+        assert_eq!(send(&app, "k1").await.0, StatusCode::CREATED);
+        let (status, replayed, _) = send_to(&app, 2, "k1").await;
+        assert_eq!(
+            (status, replayed),
+            (StatusCode::UNPROCESSABLE_ENTITY, false)
+        );
+        let scopes: Vec<String> = sqlx::query_scalar("SELECT request_path FROM idempotency_keys")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        assert_eq!(
+            scopes,
+            [DEPOSITS],
+            "the key is scoped by the route's template"
+        );
+        assert_eq!(ledger(&pool).await, (1, 2500));
     }
 
     #[sqlx::test(migrations = false)]

@@ -11,9 +11,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use idempotency::runner::DEFAULT_GRACE as GRACE;
 use idempotency::workflow::Completer;
 use idempotency::{
     Advance, Halt, IdempotencyKey, Outcome, Owner, Request, Step, Store, StoredResponse, Workflow,
@@ -34,6 +32,7 @@ idempotency::recovery_points! {
 const ROUTE: &str = "/accounts/{from}/transfers";
 
 /// The transfer, described once: the request and the completer both run it.
+#[derive(Default)]
 struct Transfer {
     notifier: Notifier,
 }
@@ -67,11 +66,8 @@ impl Workflow for Transfer {
                 let amount = &step.params()["amount_cents"];
                 let body = json!({"transfer_id": id, "amount_cents": amount, "notice": notice});
                 let location = ("location".to_owned(), format!("/transfers/{id}"));
-                Ok(Advance::Finish(StoredResponse::json(
-                    201,
-                    &body,
-                    vec![location],
-                )))
+                let answer = StoredResponse::json(201, &body, vec![location]);
+                Ok(Advance::Finish(answer))
             }
             Point::Finished => unreachable!("the driver never steps a finished transfer"),
         }
@@ -95,10 +91,8 @@ async fn transfer(
         return Err("a positive amount to another account");
     }
     let params = json!({ "from": from, "to": to, "amount_cents": amount_cents });
-    Ok(app
-        .store
-        .run(&app.transfer, Request::new(owner, key, params))
-        .await)
+    let request = Request::new(owner, key, params);
+    Ok(app.store.run(&app.transfer, request).await)
 }
 // README: to here.
 
@@ -107,11 +101,8 @@ async fn transfer(
 /// refusal is the final answer, stored without the step's writes.
 async fn move_money(step: &mut Step<'_, Point>) -> Result<(), Halt> {
     let (owner, key_id, p) = (step.owner().to_string(), step.key_id(), step.params());
-    let (from, to, amount) = (
-        p["from"].as_i64(),
-        p["to"].as_i64(),
-        p["amount_cents"].as_i64(),
-    );
+    let (from, to) = (p["from"].as_i64(), p["to"].as_i64());
+    let amount = p["amount_cents"].as_i64();
     let (target, moved): (bool, bool) = sqlx::query_as(
         "WITH target AS (SELECT id FROM example_accounts WHERE id = $2 FOR SHARE),
          debit AS (UPDATE example_accounts SET balance_cents = balance_cents - $3
@@ -130,18 +121,14 @@ async fn move_money(step: &mut Step<'_, Point>) -> Result<(), Halt> {
     .bind(owner)
     .fetch_one(step.tx().await?)
     .await?;
+    let refuse = |status, error: &str| {
+        let body = json!({ "error": error });
+        Err(Halt::fail(StoredResponse::json(status, &body, vec![])))
+    };
     match (target, moved) {
         (true, true) => Ok(()),
-        (false, _) => Err(Halt::fail(StoredResponse::json(
-            422,
-            &json!({"error": "no such account to credit"}),
-            vec![],
-        ))),
-        (true, false) => Err(Halt::fail(StoredResponse::json(
-            402,
-            &json!({"error": "insufficient funds"}),
-            vec![],
-        ))),
+        (false, _) => refuse(422, "no such account to credit"),
+        (true, false) => refuse(402, "insufficient funds"),
     }
 }
 
@@ -152,46 +139,31 @@ struct App {
     transfer: Arc<Transfer>,
 }
 
-impl App {
-    fn new(store: Store) -> Self {
-        let notifier = Notifier::default();
-        Self {
-            store,
-            transfer: Arc::new(Transfer { notifier }),
-        }
-    }
-}
-
-/// One completer pass over the transfers that requests left behind.
-async fn complete_abandoned(
-    app: &App,
-    grace: Duration,
-) -> Result<idempotency::runner::Pass, idempotency::Error> {
-    Completer::new(app.store.clone(), app.transfer.clone())
-        .grace(grace)?
-        .run_once()
-        .await
+/// One pass of the worker over the transfers that requests left behind (a service runs
+/// [`idempotency::workflow::run_until`], the completer beside the reaper, until it stops).
+async fn complete_abandoned(app: &App) -> Result<idempotency::runner::Pass, idempotency::Error> {
+    let completer = Completer::new(app.store.clone(), app.transfer.clone());
+    completer.run_once().await
 }
 
 async fn create_schema(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     idempotency::migrate(pool).await?;
-    for statement in [
-        "CREATE TABLE IF NOT EXISTS example_accounts (
-             id BIGINT PRIMARY KEY, owner_id TEXT NOT NULL,
-             balance_cents BIGINT NOT NULL CHECK (balance_cents >= 0))",
-        // A key past its retention may be deleted: the transfer outlives it.
-        "CREATE TABLE IF NOT EXISTS example_transfers (
-             id BIGSERIAL PRIMARY KEY,
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS example_accounts (id BIGINT PRIMARY KEY, owner_id TEXT NOT NULL,
+             balance_cents BIGINT NOT NULL CHECK (balance_cents >= 0));
+         -- A key past its retention may be deleted: the transfer outlives it.
+         CREATE TABLE IF NOT EXISTS example_transfers (id BIGSERIAL PRIMARY KEY,
              key_id BIGINT UNIQUE REFERENCES idempotency_keys (id) ON DELETE SET NULL,
-             from_account BIGINT NOT NULL, to_account BIGINT NOT NULL, amount_cents BIGINT NOT NULL)",
-    ] {
-        sqlx::query(statement).execute(pool).await?;
-    }
+             from_account BIGINT NOT NULL, to_account BIGINT NOT NULL, amount_cents BIGINT NOT NULL);
+         INSERT INTO example_accounts VALUES (1, 'alice', 10000), (2, 'bob', 0) ON CONFLICT (id) DO NOTHING",
+    )
+    .execute(pool)
+    .await?;
     Ok(())
 }
 
 /// A stand-in for the notification service. Like Stripe, it answers a repeated idempotency key
-/// with its first answer instead of sending again. `fail_next` makes the next call fail (tests).
+/// with its first answer instead of sending again. Its next call may fail (`fail_next`).
 #[derive(Clone, Default)]
 struct Notifier(Arc<Mutex<Notices>>, Arc<tokio::sync::Notify>);
 
@@ -245,36 +217,40 @@ impl Notifier {
     }
 }
 
+/// The first try fails with the notification service away; the client's retry resumes after the
+/// debit and gets the 201, and the next is its replay. The worker finds nothing left behind.
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url =
-        std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL to a PostgreSQL database")?;
+    let url = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL to a database")?;
     let pool = PgPool::connect(&url).await?;
     create_schema(&pool).await?;
-    sqlx::query("INSERT INTO example_accounts VALUES (1, 'alice', 10000), (2, 'bob', 0) ON CONFLICT (id) DO NOTHING")
-        .execute(&pool)
-        .await?;
-    let app = App::new(Store::builder(pool).build()?);
+    let store = Store::builder(pool).build()?;
+    let app = App {
+        store,
+        transfer: Arc::default(),
+    };
     let key = IdempotencyKey::parse(format!("example-{}", idempotency::Uuid::new_v4()).as_bytes())?;
     let (alice, body) = (Owner::new("alice")?, json!({"to": 2, "amount_cents": 2500}));
-    // The first try fails with the notification service away; the client's retry resumes it and
-    // gets the stored answer. The completer (a grace above the lease TTL) finds nothing yet.
     app.transfer.notifier.fail_next(Fault::Down);
-    let first = transfer(&app, alice.clone(), 1, key.clone(), &body).await;
-    let completed = complete_abandoned(&app, GRACE).await?.finished;
-    let retry = match transfer(&app, alice, 1, key, &body).await {
-        Ok(Outcome::Replayed(answer)) => String::from_utf8_lossy(&answer.body).into_owned(),
-        other => format!("{other:?}"),
-    };
+    for attempt in 1..=3 {
+        let shown = match transfer(&app, alice.clone(), 1, key.clone(), &body).await? {
+            Outcome::Answered(r) | Outcome::Replayed(r) => String::from_utf8_lossy(&r.body).into(),
+            other => format!("{other:?}"),
+        };
+        println!("try {attempt}: {shown}");
+    }
+    let pass = complete_abandoned(&app).await?;
     let sent = app.transfer.notifier.sent();
-    println!("first try: {first:?}\ncompleted: {completed}\nretry: {retry}\nsent: {sent}");
+    println!("worker: {pass:?}\nnotices sent: {sent}");
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use idempotency::runner::DEFAULT_GRACE as GRACE;
     use idempotency::ManualClock;
+    use std::time::Duration;
 
     const TTL: Duration = Duration::from_secs(30);
 
@@ -285,17 +261,14 @@ mod tests {
 
     async fn app(pool: &PgPool) -> (App, ManualClock) {
         create_schema(pool).await.unwrap();
-        sqlx::query("INSERT INTO example_accounts VALUES (1, 'alice', 10000), (2, 'bob', 0)")
-            .execute(pool)
-            .await
-            .unwrap();
         let clock = ManualClock::starting_now();
         let store = Store::builder(pool.clone())
             .clock(Arc::new(clock.clone()))
             .lease_ttl(TTL)
             .build()
             .unwrap();
-        (App::new(store), clock)
+        let transfer = Arc::default();
+        (App { store, transfer }, clock)
     }
 
     async fn balances(pool: &PgPool) -> (i64, i64) {
@@ -338,9 +311,9 @@ mod tests {
         assert_eq!(balances(&pool).await, (7500, 2500));
 
         // Before the lease and the grace are over, the completer leaves the key alone.
-        assert_eq!(complete_abandoned(&app, GRACE).await.unwrap().claimed, 0);
+        assert_eq!(complete_abandoned(&app).await.unwrap().claimed, 0);
         clock.advance(GRACE + Duration::from_secs(1));
-        let pass = complete_abandoned(&app, GRACE).await.unwrap();
+        let pass = complete_abandoned(&app).await.unwrap();
         assert_eq!((pass.claimed, pass.finished), (1, 1), "{pass:?}");
 
         assert_eq!(
