@@ -451,6 +451,7 @@ async fn work(
     lease: LeaseArgs,
     shutdown: ShutdownArgs,
 ) -> anyhow::Result<()> {
+    crate::config::validate(&gateway, &lease).map_err(anyhow::Error::msg)?;
     crate::config::validate_worker(&worker, &lease).map_err(anyhow::Error::msg)?;
     crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
     let connections = worker.completer_concurrency + 2;
@@ -524,6 +525,8 @@ async fn serve(settings: Serving) -> anyhow::Result<()> {
         api_key,
         shutdown,
     } = settings;
+    // Every setting is checked before the first connection: a mistake is one message, at once.
+    crate::config::validate(&gateway, &lease).map_err(anyhow::Error::msg)?;
     crate::config::validate_http(&http, &gateway).map_err(anyhow::Error::msg)?;
     crate::config::validate_shutdown(&shutdown, &gateway).map_err(anyhow::Error::msg)?;
     crate::config::validate_key_retention(retention.key_retention).map_err(anyhow::Error::msg)?;

@@ -197,3 +197,30 @@ fn metrics_are_either_on_their_own_listener_or_on_the_public_one_never_both() {
         assert!(text.contains("--metrics-listen"), "{text}");
     }
 }
+
+/// A configuration error is one clear message even with `RUST_BACKTRACE=1`: no stack backtrace
+/// after it (as `main` returning the `anyhow::Error` printed), and nothing else on stderr.
+#[test]
+fn a_configuration_error_is_one_message_without_a_backtrace_even_with_rust_backtrace() {
+    let refused = rocket_rides(
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--gateway-key-window",
+            "10m",
+        ],
+        &[
+            ("DATABASE_URL", DATABASE_URL),
+            ("RUST_BACKTRACE", "1"),
+            ("RUST_LIB_BACKTRACE", "1"),
+        ],
+    );
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(!text.to_lowercase().contains("backtrace"), "{text}");
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one message: {text}");
+    assert!(lines[0].starts_with("Error: "), "{text}");
+    assert!(lines[0].contains("--gateway-key-window"), "{text}");
+}
