@@ -15,17 +15,28 @@ use idempotency::OnlinePlan;
 /// `ON DELETE SET NULL` clears the reference of a reaped key's ride (under the file, that window
 /// is inside one transaction holding the exclusive lock), and validating the new reference would
 /// fail on such a ride for good. Once the reference is back, every delete sets it null again;
-/// these clear what the window left, as the reference would have: the ride keeps everything but
-/// the id of a key that no longer exists. For the reference by user (20261130100002) and by
-/// owner (20261202100001).
+/// this clears what the window left, as the reference would have: the ride keeps everything but
+/// the id of a key that no longer exists. For the reference by user (20261130100002).
 const FORGET_REAPED_KEYS_BY_USER: &str = "UPDATE rides r SET idempotency_key_id = NULL
      WHERE r.id >= $1 AND r.id < $2 AND r.idempotency_key_id IS NOT NULL
        AND NOT EXISTS (SELECT 1 FROM idempotency_keys k
                        WHERE k.user_id = r.user_id AND k.id = r.idempotency_key_id)";
-const FORGET_REAPED_KEYS_BY_OWNER: &str = "UPDATE rides r SET idempotency_key_id = NULL
-     WHERE r.id >= $1 AND r.id < $2 AND r.idempotency_key_id IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM idempotency_keys k
-                       WHERE k.owner = r.key_owner AND k.id = r.idempotency_key_id)";
+
+/// 20261202100001's backfill: a ride booked before names its key's owner, its user, and forgets a
+/// key that no longer exists, in the same update.
+///
+/// The reference by owner is down from 20261201900001 (which released the reference by user)
+/// until this plan's first step adds it again; and on a ride whose `key_owner` is still null it
+/// matches no key, so no `ON DELETE SET NULL` reaches that ride until this update fills it. A key
+/// a reaper deleted meanwhile leaves its ride naming it; filling `key_owner` alone would then
+/// fail on the `NOT VALID` reference (checked on every update of the row), at the same step on
+/// every rerun. The key's id is read again by the update itself: a key deleted after it is
+/// cleared by the reference, now that it matches the ride.
+const FILL_KEY_OWNER_FORGETTING_REAPED_KEYS: &str = "UPDATE rides r
+     SET key_owner = r.user_id::text,
+         idempotency_key_id = (SELECT k.id FROM idempotency_keys k
+                               WHERE k.owner = r.user_id::text AND k.id = r.idempotency_key_id)
+     WHERE r.id >= $1 AND r.id < $2 AND r.key_owner IS NULL";
 
 /// The plans, in the order of their versions.
 pub(super) fn plans() -> Vec<OnlinePlan> {
@@ -193,9 +204,10 @@ fn user_in_every_key() -> OnlinePlan {
 
 /// 20261202100001: rides name their key's owner in `key_owner`, filled from `user_id`, checked
 /// and referenced. A trigger fills it on every insert and update while the old rows are filled
-/// in batches (a service of the earlier version, which does not know the column, keeps booking);
-/// the check and the reference come `NOT VALID` and are validated; the trigger goes once the
-/// column is `NOT NULL`.
+/// in batches (a service of the earlier version, which does not know the column, keeps booking),
+/// each ride forgetting a key reaped while the reference was down
+/// ([`FILL_KEY_OWNER_FORGETTING_REAPED_KEYS`]); the check and the reference come `NOT VALID` and
+/// are validated; the trigger goes once the column is `NOT NULL`.
 fn key_owner_text() -> OnlinePlan {
     OnlinePlan::new(20261202100001)
         .transaction(
@@ -218,13 +230,8 @@ fn key_owner_text() -> OnlinePlan {
                  FOREIGN KEY (key_owner, idempotency_key_id) REFERENCES idempotency_keys (owner, id)
                  ON DELETE SET NULL (idempotency_key_id) NOT VALID;",
         )
-        .backfill(
-            "rides",
-            "UPDATE rides SET key_owner = user_id::text
-             WHERE id >= $1 AND id < $2 AND key_owner IS NULL",
-        )
+        .backfill("rides", FILL_KEY_OWNER_FORGETTING_REAPED_KEYS)
         .validate("rides", "rides_key_owner_is_the_user")
-        .backfill("rides", FORGET_REAPED_KEYS_BY_OWNER)
         .validate("rides", "rides_idempotency_key_fkey")
         .set_not_null("rides", "key_owner")
         .transaction(
