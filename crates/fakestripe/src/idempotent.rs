@@ -31,6 +31,22 @@
 //!
 //! The fingerprint is taken over the decoded form parameters as a JSON object, so the order of
 //! the pairs in the body does not matter, but their values do (`amount=0100` is not `amount=100`).
+//!
+//! # Why not `Store::run`
+//!
+//! Stripe's semantics fit the library's one path: a request here is a one-step
+//! [`Workflow`](idempotency::Workflow) (the same key replays: `Outcome::Replayed`; other
+//! parameters: `Outcome::Mismatch`, 400; in flight: `Outcome::InFlight`, 409; a refusal halts the
+//! step and rolls the new key back with it; the run is detached, so a fault may drop the
+//! connection after the charge commits). Written that way, every fakestripe test passes. It is
+//! not used for one reason, its cost: [`Store::run`](idempotency::Store::run) claims with
+//! `Store::begin`, which reads the key in a statement of its own before the transaction that
+//! inserts it, so a new charge takes two transactions of the gateway's database where
+//! `begin_optimistic` (insert first, read only on a conflict) takes one. One transaction per
+//! charge is a target of docs/performance.md ("fakestripe: one transaction per charge"), checked
+//! by proving-ground's bench test (`gateway_transactions_per_request` rounds to 1), so that the
+//! benchmark measures the service, not its fake gateway. The move waits for a way to ask
+//! `Store::run` to claim insert-first.
 
 use axum::response::Response;
 use http::HeaderMap;
