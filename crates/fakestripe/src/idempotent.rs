@@ -48,6 +48,11 @@
 //! benchmark measures the service, not its fake gateway. Measured with the move (that test, the
 //! debug builds): 2.0 gateway transactions per create, against 1.0 without it. The move waits
 //! for a way to ask `Store::run` to claim insert-first.
+//!
+//! The axum face fits less: `IdempotencyLayer` answers another payload under a key with a 422
+//! and a key in flight with a 409, both problem+json, where Stripe answers 400 and 409 with its
+//! own error object (`idempotency_error`), which Stripe's client libraries read; and it claims
+//! (`Store::claim`) in a transaction of its own before the handler's.
 
 use axum::response::Response;
 use http::HeaderMap;
