@@ -9,7 +9,7 @@ use common::{Reply, TestApp, RIDE};
 use fakestripe::Faults;
 use idempotency::Claim;
 use idempotency_axum::problem::types as key_types;
-use rocket_rides::booking::{self, BookingError};
+use rocket_rides::booking::Booking;
 use rocket_rides::failpoints;
 use rocket_rides::problem::types;
 use serde_json::{json, Value};
@@ -313,7 +313,7 @@ async fn a_request_that_died_after_finishing_is_replayed_without_waiting(pool: P
 async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     // A claims and stalls (a long GC pause, a partitioned host) until its lease expires.
-    let Claim::Acquired(mut stale) = app.claim(user_id, "k-1").await else {
+    let Claim::Acquired(stale) = app.claim(user_id, "k-1").await else {
         panic!("A should acquire");
     };
     app.expire_leases();
@@ -326,10 +326,9 @@ async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: Pg
     // ride in a phase of its own.
     assert_eq!(app.recovery_point(user_id).await, "ride_created");
     // A wakes up and runs its phases: the first fenced update refuses it, before any write.
-    let err = booking::run(&app.state, &mut stale, None)
-        .await
-        .unwrap_err();
-    assert!(matches!(err, BookingError::LeaseLost(_)), "{err}");
+    let booking = Arc::new(Booking::new(app.state.clone()));
+    let outcome = app.state.store.resume(&booking, stale).await;
+    assert_eq!(outcome, idempotency::Outcome::Lost);
     assert_eq!(app.rides().await, 1);
     // Once B's lease is over too, the client's next retry finishes the one ride.
     app.expire_leases();
