@@ -41,10 +41,10 @@
 //! |---|---|
 //! | `mod.rs` | [`Booking`]: the step of each recovery point, the shutdown, the crash points |
 //! | `legacy.rs` | the point only earlier versions wrote (`charge_created`) |
-//! | `charge.rs` | the charge loop, the gateway call, each call's record ([`Charging`]'s methods) |
+//! | `charge.rs` | the charge loop, the gateway call, each call's record (`Charging`'s methods) |
 //! | `reconcile.rs` | the doubts, the wait for calls in flight, the list, the next key generation |
 //! | `outcomes.rs` | how a charge ends: paid, pending, declined, refused; their answers |
-//! | `target.rs` | [`RidePoint`], the rider (the key's owner, parsed once per step), [`ChargeTarget`], [`Charging`] |
+//! | `target.rs` | [`RidePoint`], the rider (the key's owner, parsed once per step), [`ChargeTarget`], `Charging` |
 //! | `rows.rs` | the ride, charge, receipt and audit statements, shared with `POST /bench/rides` |
 //! | `error.rs` | [`BookingError`] and the driver's view of it; the crash points |
 
