@@ -833,3 +833,35 @@ async fn a_duplicate_that_prefers_to_wait_gets_the_holders_answer_replayed(pool:
     assert_eq!(reply.body, answer.body);
     assert_eq!(app.rides().await, 0, "the waiter booked nothing of its own");
 }
+
+#[testdb::test(template = crate::common::migrated)]
+async fn a_booking_given_up_at_shutdown_hands_its_key_back_and_charges_nothing(pool: PgPool) {
+    let (app, user_id, api_key) = app_with_user(pool).await;
+    // A request that died after creating its ride, its lease over.
+    app.state.failpoints.arm(failpoints::AFTER_RIDE_CREATED);
+    let crashed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(crashed.status, 500);
+    app.expire_leases();
+    let Claim::Acquired(lease) = app.claim(user_id, "k-1").await else {
+        panic!("the expired key is claimable");
+    };
+    // The process is past its shutdown deadline.
+    let shutdown = rocket_rides::shutdown::Shutdown::new();
+    let mut state = app.state.clone();
+    state.giving_up = shutdown.giving_up();
+    let mut given_up = shutdown.giving_up();
+    tokio::spawn(shutdown.run(std::future::ready(()), std::time::Duration::ZERO));
+    given_up.wait().await;
+    let booking = Arc::new(Booking::new(state));
+    let outcome = app.state.store.resume(&booking, lease).await;
+    let idempotency::Outcome::RetryLater { kind, .. } = outcome else {
+        panic!("expected a retry later, got {outcome:?}");
+    };
+    assert_eq!(kind, types::SHUTTING_DOWN);
+    assert_eq!(app.charges().await, 0);
+    // Handed back at its point: the client's retry resumes it at once and books the ride.
+    assert_eq!(app.recovery_point(user_id).await, "ride_created");
+    let retry = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_one_paid_ride(&app).await;
+}
