@@ -75,7 +75,9 @@ pub fn respond(outcome: Outcome) -> Response {
         .with_detail(KEY_IN_FLIGHT_DETAIL)
         .with_retry_after(retry_after.min(MAX_IN_FLIGHT_RETRY_AFTER))
         .into_response(),
-        Outcome::RetryLater { retry_after, cause } => {
+        Outcome::RetryLater {
+            retry_after, cause, ..
+        } => {
             tracing::warn!(%cause, "idempotent request to be retried");
             Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,

@@ -85,6 +85,20 @@ use crate::{Error, IdempotencyKey, Owner, StoredResponse};
 
 pub use complete::{run_until, Completer};
 
+/// The kinds of a transient failure ([`Outcome::RetryLater`]): the library's own, and the
+/// default of a [`Halt::retry`]. An application names its own with [`Halt::kind`].
+pub mod kind {
+    /// A [`Halt::retry`](super::Halt::retry) that named no kind.
+    pub const RETRY: &str = "retry";
+    /// A step's commit was not confirmed (the wait for a synchronous standby was cancelled): it
+    /// may or may not have committed; the key was released for a retry to resume or replay.
+    pub const COMMIT_UNCONFIRMED: &str = "commit-unconfirmed";
+    /// A renewal of the lease during a foreign call went unanswered while the lease lasted: the
+    /// call was stopped; no other holder is known to have the key, so it was released (fenced:
+    /// only if it was still this holder's) for a retry to resume.
+    pub const LEASE_UNCONFIRMED: &str = "lease-unconfirmed";
+}
+
 /// The most steps one run takes before it stops: a workflow that keeps advancing without
 /// finishing is a bug (a cycle among its points), not work to do. The lease is released and the
 /// key left to a later attempt.
@@ -146,6 +160,7 @@ pub(crate) enum Stop {
     Retry {
         cause: String,
         after: Duration,
+        kind: &'static str,
     },
     Fail(StoredResponse),
     Error(Error),
@@ -162,7 +177,19 @@ impl Halt {
         Self(Stop::Retry {
             cause: cause.to_string(),
             after: DEFAULT_RETRY_AFTER,
+            kind: kind::RETRY,
         })
+    }
+
+    /// Names the kind of a [`Halt::retry`] ([`kind::RETRY`] unless named), handed back in
+    /// [`Outcome::RetryLater`], for an application that answers its transient failures apart (a
+    /// payment pending, a gateway away); no effect on other halts. The library's own transient
+    /// failures come with [`kind::COMMIT_UNCONFIRMED`] and [`kind::LEASE_UNCONFIRMED`].
+    pub fn kind(mut self, name: &'static str) -> Self {
+        if let Stop::Retry { kind, .. } = &mut self.0 {
+            *kind = name;
+        }
+        self
     }
 
     /// Sets the `Retry-After` of a [`Halt::retry`] (and the least time before the completer
@@ -260,6 +287,9 @@ pub enum Outcome {
         retry_after: Duration,
         /// What failed, for the log (not for a client).
         cause: String,
+        /// Which transient failure: the step's [`Halt::kind`], or one of the library's
+        /// ([`kind`]).
+        kind: &'static str,
     },
     /// Another holder took the lease over during the run: it answers. Nothing more was written,
     /// nothing released.
@@ -277,6 +307,8 @@ pub enum Outcome {
 pub struct Step<'s, P: RecoveryPoint> {
     store: &'s Store,
     held: Held<P>,
+    /// This holder moved the key to its point ([`Step::arrived`]).
+    arrived: bool,
 }
 
 /// What the driver holds between and during steps.
@@ -368,8 +400,34 @@ impl<'s, P: RecoveryPoint> Step<'s, P> {
     where
         F: Future + Send,
     {
-        const AFTER_WRITE: &str = "a foreign call after the step's first write: make calls \
-                                   first, or end the step with Advance::To before the call";
+        let store = self.store;
+        let lease = self.lease().await?;
+        Ok(store.call_under_lease(lease, call).await?)
+    }
+
+    /// Whether this holder moved the key to the point the step leaves: the claim of a new key,
+    /// or the previous step of this run. Then nobody else can have held the key since, and
+    /// nothing was done at the point yet (no foreign call made from it): a step may trust what
+    /// it wrote there. False for a key claimed again (a retry, the completer), whose earlier
+    /// holder may have done anything the point allows.
+    pub fn arrived(&self) -> bool {
+        self.arrived
+    }
+
+    /// For experts: the lease itself, for what the step cannot do through [`Step::call`] and
+    /// [`Step::tx`]: a fenced write of its own before a call ([`Store::phase`] at the step's
+    /// point: a foreign call's record that must commit before the call leaves), a call the
+    /// step keeps hold of ([`Store::watch_under_lease`]), the lease's clock
+    /// ([`Store::lease_left`]). Each write through it is one fenced transaction of its own,
+    /// committed before the step's own; a step that moves the point through it leaves from the
+    /// point it moved to.
+    ///
+    /// Like [`Step::call`], asked for before the step's first write (refused after), and, in
+    /// the first step of a new key, the key is committed at `STARTED` first.
+    pub async fn lease(&mut self) -> Result<&mut Lease<P>, Halt> {
+        const AFTER_WRITE: &str = "a foreign call or the lease asked for after the step's first \
+                                   write: make calls first, or end the step with Advance::To \
+                                   before the call";
         let after_write = matches!(
             &self.held,
             Held::First {
@@ -398,6 +456,6 @@ impl<'s, P: RecoveryPoint> Step<'s, P> {
         let Held::Lease { lease, .. } = &mut self.held else {
             unreachable!("a lease is held from here")
         };
-        Ok(self.store.call_under_lease(lease, call).await?)
+        Ok(lease)
     }
 }

@@ -1,4 +1,4 @@
-//! Crash points inside the phase machine, and sabotage switches for the chaos harness's negative
+//! Crash points inside the booking's steps, and sabotage switches for the chaos harness's negative
 //! control. Both exist only in builds with the `failpoints` feature (tests, `chaos` (crates/proving-ground));
 //! a production build has neither, and nothing on the request surface can reach them.
 //!
@@ -43,8 +43,9 @@ pub const AFTER_FINISHED: &str = "after_finished";
 /// In the outbox drain, after a receipt was written and before its job is deleted.
 pub const AFTER_RECEIPT_EFFECT: &str = "after_receipt_effect";
 
-/// Where a booking stands still, if a test armed it ([`Failpoints::stand_still_at`]): after a
-/// taken-over key's ride was read (`ChargeTarget::load`), before the charge step uses it.
+/// Where a booking stands still, if a test armed it ([`Failpoints::stand_still_at`]): after the
+/// charge step read its ride (`ChargeTarget::load`: a new key's right after the step that created
+/// it, or a taken-over key's), before it uses it.
 pub const AFTER_RIDE_LOADED: &str = "after_ride_loaded";
 /// Where a booking stands still, if a test armed it: after a gateway call's record was
 /// written (`record_attempt`), before the call leaves.

@@ -77,6 +77,7 @@ async fn every_outcome_has_one_answer() {
     let later = Outcome::RetryLater {
         retry_after: Duration::from_millis(6500),
         cause: "the notifier at 10.0.0.7 refused".into(),
+        kind: idempotency::workflow::kind::RETRY,
     };
     let (status, retry, kind, body) = refusal(later).await;
     assert_eq!(

@@ -17,12 +17,13 @@ pub(super) enum Driven<P> {
     /// Another holder took the lease over: nothing to release.
     Lost,
     /// Stopped short of an answer. `lease`: the lease to let go (none when the key's first step
-    /// rolled back with its claim); `transient`: a retry may succeed.
+    /// rolled back with its claim); `transient`: the kind of a failure a retry may get past
+    /// ([`super::kind`]), none for the others.
     Stopped {
         lease: Option<Lease<P>>,
         cause: String,
         retry_after: Duration,
-        transient: bool,
+        transient: Option<&'static str>,
     },
 }
 
@@ -37,17 +38,36 @@ impl Store {
     /// and is reported as [`Outcome::Failed`].
     pub async fn run<W: Workflow>(&self, workflow: &Arc<W>, request: Request) -> Outcome {
         let (store, workflow) = (self.clone(), workflow.clone());
-        let (send, outcome) = tokio::sync::oneshot::channel();
-        let run = async move {
-            let outcome = run_request(&store, &*workflow, request).await;
-            // The caller may be gone: the work is done either way.
-            let _ = send.send(outcome);
-        };
-        tokio::spawn(run.instrument(tracing::Span::current()));
-        outcome.await.unwrap_or_else(|_| Outcome::Failed {
-            cause: "the workflow's task panicked".into(),
-        })
+        detached(async move { run_request(&store, &*workflow, request).await }).await
     }
+
+    /// Runs `workflow` from a lease the caller holds (a claim of its own, a test's): the steps
+    /// from the lease's recovery point, as [`Store::run`] runs them after its claim and the
+    /// [`Completer`](super::Completer) for each abandoned key, detached the same way. The lease
+    /// is released after a transient failure, never after a lost one.
+    pub async fn resume<W: Workflow>(&self, workflow: &Arc<W>, lease: Lease<W::Point>) -> Outcome {
+        let (store, workflow) = (self.clone(), workflow.clone());
+        detached(async move {
+            let held = Held::Lease { lease, open: None };
+            settle(&store, drive(&store, &*workflow, held).await).await
+        })
+        .await
+    }
+}
+
+/// Runs `run` in a task of its own, so that dropping the caller's future does not stop it
+/// between two steps; a task that panics leaves its lease to expire.
+async fn detached(run: impl std::future::Future<Output = Outcome> + Send + 'static) -> Outcome {
+    let (send, outcome) = tokio::sync::oneshot::channel();
+    let run = async move {
+        let outcome = run.await;
+        // The caller may be gone: the work is done either way.
+        let _ = send.send(outcome);
+    };
+    tokio::spawn(run.instrument(tracing::Span::current()));
+    outcome.await.unwrap_or_else(|_| Outcome::Failed {
+        cause: "the workflow's task panicked".into(),
+    })
 }
 
 async fn run_request<W: Workflow>(store: &Store, workflow: &W, request: Request) -> Outcome {
@@ -87,7 +107,13 @@ async fn run_request<W: Workflow>(store: &Store, workflow: &W, request: Request)
         // Nothing is held: nothing to release.
         Err(e) => return ended_by::<W::Point>(e, None).into_outcome(),
     };
-    match drive(store, workflow, held).await {
+    settle(store, drive(store, workflow, held).await).await
+}
+
+/// The outcome of a drive: the lease it stopped with released (at the point reached), unless
+/// it was lost.
+async fn settle<P: RecoveryPoint>(store: &Store, driven: Driven<P>) -> Outcome {
+    match driven {
         Driven::Finished(answer) => Outcome::Answered(answer),
         Driven::Lost => Outcome::Lost,
         Driven::Stopped {
@@ -101,23 +127,33 @@ async fn run_request<W: Workflow>(store: &Store, workflow: &W, request: Request)
                 // Free the key at once for the client's retry, at the point reached.
                 match store.release(lease).await {
                     Ok(()) => {}
-                    Err(Error::LeaseLost { .. }) => return Outcome::Lost,
+                    // An unconfirmed commit may have committed: the key finished or moved on by
+                    // this holder's own step, which is no sign of another holder. The answer
+                    // stays unconfirmed; the retry finds the outcome.
+                    Err(Error::LeaseLost { .. })
+                        if transient != Some(super::kind::COMMIT_UNCONFIRMED) =>
+                    {
+                        return Outcome::Lost
+                    }
                     Err(e) => {
                         tracing::warn!(key_id, error = %e, "could not release the key; its lease expires instead");
                     }
                 }
             }
-            tracing::warn!(%cause, transient, "the workflow stopped short of an answer");
+            tracing::warn!(%cause, ?transient, "the workflow stopped short of an answer");
             stopped(cause, retry_after, transient)
         }
     }
 }
 
-fn stopped(cause: String, retry_after: Duration, transient: bool) -> Outcome {
-    if transient {
-        Outcome::RetryLater { retry_after, cause }
-    } else {
-        Outcome::Failed { cause }
+fn stopped(cause: String, retry_after: Duration, transient: Option<&'static str>) -> Outcome {
+    match transient {
+        Some(kind) => Outcome::RetryLater {
+            retry_after,
+            cause,
+            kind,
+        },
+        None => Outcome::Failed { cause },
     }
 }
 
@@ -144,27 +180,35 @@ pub(super) async fn drive<W: Workflow>(
     workflow: &W,
     mut held: Held<W::Point>,
 ) -> Driven<W::Point> {
+    // Whether this holder moved the key to its point ([`Step::arrived`]): a new key's claim, or
+    // the previous step of this drive.
+    let mut arrived = matches!(held, Held::First { .. });
     for _ in 0..MAX_STEPS {
         let point = held.lease().recovery_point();
-        let mut step = Step { store, held };
+        let mut step = Step {
+            store,
+            held,
+            arrived,
+        };
         let result = workflow.step(point, &mut step).await;
         held = step.held;
         let (answer, roll_back) = match result {
             Ok(Advance::To(to)) => match held.advance(store, to).await {
                 Ok(next) => {
                     held = next;
+                    arrived = true;
                     continue;
                 }
                 Err((e, lease)) => return ended_by(e, lease),
             },
             Ok(Advance::Finish(answer)) => (answer, false),
             Err(Halt(Stop::Fail(refusal))) => (refusal, true),
-            Err(Halt(Stop::Retry { cause, after })) => {
+            Err(Halt(Stop::Retry { cause, after, kind })) => {
                 return Driven::Stopped {
                     lease: held.let_go(),
                     cause,
                     retry_after: after,
-                    transient: true,
+                    transient: Some(kind),
                 }
             }
             Err(Halt(Stop::Misuse(why))) => {
@@ -172,7 +216,7 @@ pub(super) async fn drive<W: Workflow>(
                     lease: held.let_go(),
                     cause: why.into(),
                     retry_after: Duration::ZERO,
-                    transient: false,
+                    transient: None,
                 }
             }
             Err(Halt(Stop::Error(e))) => {
@@ -189,7 +233,7 @@ pub(super) async fn drive<W: Workflow>(
         lease: held.let_go(),
         cause: format!("the workflow took {MAX_STEPS} steps without an answer"),
         retry_after: Duration::ZERO,
-        transient: false,
+        transient: None,
     }
 }
 
@@ -199,13 +243,16 @@ pub(super) async fn drive<W: Workflow>(
 fn ended_by<P>(e: Error, lease: Option<Lease<P>>) -> Driven<P> {
     let transient = match &e {
         Error::LeaseLost { .. } => return Driven::Lost,
-        Error::CommitUnconfirmed { .. } | Error::LeaseUnconfirmed { .. } => true,
+        Error::CommitUnconfirmed { .. } => Some(super::kind::COMMIT_UNCONFIRMED),
+        // No other holder is known: the release below is fenced, so it frees the key only if
+        // it is still this holder's, and a retry resumes at once instead of after the lease.
+        Error::LeaseUnconfirmed { .. } => Some(super::kind::LEASE_UNCONFIRMED),
         Error::UnknownRecoveryPoint { .. }
         | Error::InvalidTransition { .. }
         | Error::Corrupt { .. }
         | Error::Migration(_)
         | Error::InvalidConfig(_)
-        | Error::Database { .. } => false,
+        | Error::Database { .. } => None,
     };
     Driven::Stopped {
         lease,

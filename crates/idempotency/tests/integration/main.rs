@@ -16,6 +16,7 @@ mod rfc8785;
 mod store;
 mod support;
 mod workflow;
+mod workflow_expert;
 
 /// The template of the tests that begin by migrating (`#[testdb::test(template = …)]`): the
 /// crate's migrations, run once per test binary instead of once per test.

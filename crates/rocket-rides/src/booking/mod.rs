@@ -1,26 +1,28 @@
-//! `POST /rides` as a machine of atomic phases.
+//! `POST /rides` as one [`Workflow`]: the [`Booking`]. The library's step driver runs it for the
+//! request ([`idempotency::Store::run`], from the handler) and, unchanged, for a key its request
+//! left behind ([`idempotency::workflow::Completer`], from the worker); it owns the claim, the
+//! detach, the lease's renewal and release, and the outcomes.
 //!
 //! ```text
-//!  (new key) ──claim + phase 1──► ride_created ──gateway──final phase──► finished
-//!             key, ride row,          │        charge under key     charge on the ride,
-//!             audit record:           │        derived from the     audit, receipt job,
-//!             one transaction         │        request's UUID       stored 201
-//!                                     ├─ declined ─────────────final phase──► finished (stored 402)
-//!                                     ├─ refused for good ─────final phase──► finished (stored 502)
-//!                                     ├─ pending ──phase──► charge_pending ──retrieve──► (as above)
-//!                                     └─ no answer / 5xx / 401 ──► lease released, 503; resume here
+//!  (new key) ──claim + step──► ride_created ──gateway──step──► finished
+//!   started:  key, ride row,        │        charge under key     charge on the ride,
+//!             audit record:         │        derived from the     audit, receipt job,
+//!             one transaction       │        request's UUID       stored 201
+//!                                   ├─ declined ───────────────────► finished (stored 402)
+//!                                   ├─ refused for good ───────────► finished (stored 502)
+//!                                   ├─ pending ──► charge_pending ──retrieve──► (as above)
+//!                                   └─ no answer / 5xx / 401 ──► lease released, 503; resume here
 //! ```
 //!
-//! A new key is claimed in the same transaction as the ride it books ([`idempotency::Store::begin`]),
-//! and the charge is recorded in the same transaction as the stored response: two transactions
-//! around the gateway call. Two points exist only to resume keys written by earlier versions,
-//! which committed the claim and the recorded charge separately: `started` (claimed, nothing
-//! written) and `charge_created` (the charge recorded, the response not stored).
+//! A new key is claimed in the same transaction as the ride it books (the driver merges the
+//! claim with the first step), and the charge is recorded in the same transaction as the stored
+//! response: two transactions around the gateway call. The charge step also commits, each in a
+//! fenced transaction of its own before a call leaves, the call's time (and, when the key is in
+//! doubt, the doubt, or the key's next generation): [`idempotency::Step::lease`].
 //!
-//! Each step reads the key's recovery point and does one phase. A request that dies anywhere
-//! leaves the key at its last committed point, and whoever claims the key next — the client's
-//! retry or the completer — resumes from there with the stored parameters. The gateway is called
-//! between phases, never inside one.
+//! A request that dies anywhere leaves the key at its last committed point, and whoever claims
+//! the key next — the client's retry or the completer — resumes from there with the stored
+//! parameters. The gateway is called between transactions, never inside one.
 //!
 //! # The gateway key, and when it can no longer be trusted
 //!
@@ -33,283 +35,156 @@
 //!
 //! # Files
 //!
+//! Each file imports only those below it in this table (none imports `mod.rs`):
+//!
 //! | file | what it holds |
 //! |---|---|
-//! | `mod.rs` | [`RidePoint`], [`BookingError`], the entry points and step loop, [`gateway_key`] |
-//! | `charge.rs` | [`ChargeTarget`], the charge loop, the gateway call, each call's record |
+//! | `mod.rs` | [`Booking`]: the step of each recovery point, the shutdown, the crash points |
+//! | `legacy.rs` | the point only earlier versions wrote (`charge_created`) |
+//! | `charge.rs` | the charge loop, the gateway call, each call's record (`Charging`'s methods) |
 //! | `reconcile.rs` | the doubts, the wait for calls in flight, the list, the next key generation |
-//! | `outcomes.rs` | the final phases (paid, pending, declined, refused), their responses |
+//! | `outcomes.rs` | how a charge ends: paid, pending, declined, refused; their answers |
+//! | `target.rs` | [`RidePoint`], the rider (the key's owner, parsed once per step), [`ChargeTarget`], `Charging` |
 //! | `rows.rs` | the ride, charge, receipt and audit statements, shared with `POST /bench/rides` |
+//! | `error.rs` | [`BookingError`] and the driver's view of it; the crash points |
 
-use std::time::Duration;
+use idempotency::{Advance, Halt, Step, Workflow};
 
-use idempotency::{FirstPhase, Lease, RecoveryPoint, StoredResponse};
-
-use crate::ride::RideRequest;
+use crate::ride::{RideRequest, RIDES_ROUTE};
 use crate::state::AppState;
 
 mod charge;
+mod error;
+mod legacy;
 mod outcomes;
 mod reconcile;
 mod rows;
+mod target;
 
-pub use charge::ChargeTarget;
+pub use error::BookingError;
 pub use outcomes::redact_secrets;
 pub use reconcile::RECONCILE_CLOCK_SKEW;
 pub(crate) use rows::insert_ride;
-// The rest of what `POST /bench/rides` shares with the phases.
+pub use target::{gateway_key, ChargeTarget, RidePoint};
+// The rest of what `POST /bench/rides` shares with the steps.
 #[cfg(feature = "bench")]
 pub(crate) use {outcomes::created, rows::charge_paid};
 
-use charge::{charge, Kept};
-use outcomes::{finish_recorded, resolve_pending};
+use error::db;
+use target::{Charging, Rider};
 
-/// The recovery points of a ride booking.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RidePoint {
-    /// Claimed; nothing written yet. Written only by earlier versions, which claimed a key
-    /// before the phase that creates its ride.
-    Started,
-    /// The ride row exists, unpaid.
-    RideCreated,
-    /// The gateway created the charge `pending`: recorded on the ride, not paid yet.
-    ChargePending,
-    /// The charge is recorded on the ride, paid, and the response not stored yet. Written only
-    /// by earlier versions, which recorded the charge in a phase of its own.
-    ChargeCreated,
-    /// The response is stored.
-    Finished,
+/// A ride booking: `POST /rides`'s workflow, for the request and the completer alike.
+#[derive(Clone)]
+pub struct Booking {
+    state: AppState,
 }
 
-impl RecoveryPoint for RidePoint {
-    const STARTED: Self = Self::Started;
-    const FINISHED: Self = Self::Finished;
+impl Booking {
+    /// The booking of the service whose state is `state`.
+    pub fn new(state: AppState) -> Self {
+        Self { state }
+    }
+}
 
-    fn name(self) -> &'static str {
-        match self {
-            Self::Started => "started",
-            Self::RideCreated => "ride_created",
-            Self::ChargePending => "charge_pending",
-            Self::ChargeCreated => "charge_created",
-            Self::Finished => "finished",
+impl Workflow for Booking {
+    type Point = RidePoint;
+
+    fn route(&self) -> &str {
+        RIDES_ROUTE
+    }
+
+    /// Runs the step that leaves `point`, until it ends or the process gives up (the shutdown
+    /// deadline passed): then the step stops between two statements (an open transaction rolls
+    /// back), the driver hands the key back, and the client's retry resumes it elsewhere.
+    async fn step(
+        &self,
+        point: RidePoint,
+        step: &mut Step<'_, RidePoint>,
+    ) -> Result<Advance<RidePoint>, Halt> {
+        let mut giving_up = self.state.giving_up.clone();
+        tokio::select! {
+            advanced = self.leave(point, step) => advanced,
+            _ = giving_up.wait() => Err(BookingError::GivenUp.into()),
         }
     }
-
-    fn from_name(name: &str) -> Option<Self> {
-        [
-            Self::Started,
-            Self::RideCreated,
-            Self::ChargePending,
-            Self::ChargeCreated,
-            Self::Finished,
-        ]
-        .into_iter()
-        .find(|p| p.name() == name)
-    }
 }
 
-/// Why a booking stopped without a final response.
-#[derive(Debug, thiserror::Error)]
-pub enum BookingError {
-    /// Another holder took the key over, or may have (a renewal did not answer before the lease
-    /// ran out); this one must stop.
-    #[error("lease lost: {0}")]
-    LeaseLost(idempotency::Error),
-    /// The gateway did not answer or is unavailable. The charge may exist; resume later.
-    #[error("payment gateway unavailable: {0}")]
-    GatewayUnavailable(String),
-    /// The gateway refused our credentials or its certificate is not trusted: ours to fix.
-    #[error("payment gateway misconfigured: {0}")]
-    GatewayMisconfigured(String),
-    /// The charge exists but is still `pending` at the gateway; resume later.
-    #[error("charge {0} is pending at the gateway")]
-    PaymentPending(String),
-    /// Whether the gateway charged cannot be known yet: a call under the key may still be
-    /// running there. The list that tells is made in `retry_after`.
-    #[error("the charge's outcome is unconfirmed; reconciling in {retry_after:?}")]
-    Unconfirmed {
-        /// When the list can be made.
-        retry_after: Duration,
-    },
-    /// A phase committed, but the database warned that its wait for the synchronous standby
-    /// was cancelled: a failover may lose it. Not acknowledged; the key resumes.
-    #[error("{0}")]
-    CommitUnconfirmed(String),
-    /// Anything else: a database failure, a broken invariant.
-    #[error("{0}")]
-    Internal(String),
-    /// The process is shutting down and gave the request up before it finished.
-    #[error("given up at shutdown")]
-    GivenUp,
-    /// A failpoint stopped the request as a crash would.
-    #[error("crashed at failpoint {0}")]
-    Crashed(&'static str),
-}
-
-/// The rider a key belongs to. Rocket Rides names a key's owner by its user's id
-/// (`Owner::from(user.id)`), so every key of its routes holds one; anything else is a key this
-/// service did not write.
-pub(crate) fn rider<P: RecoveryPoint>(lease: &Lease<P>) -> Result<i64, BookingError> {
-    let owner = lease.owner().as_str();
-    // Its one decimal spelling only: "07" or "+7" is not user 7's key.
-    owner
-        .parse::<i64>()
-        .ok()
-        .filter(|id| id.to_string() == owner)
-        .ok_or_else(|| {
-            BookingError::Internal(format!(
-                "key {} is owned by {:?}, which is not a user id",
-                lease.key_id(),
-                lease.owner().as_str()
-            ))
-        })
-}
-
-impl From<idempotency::Error> for BookingError {
-    fn from(e: idempotency::Error) -> Self {
-        match e {
-            // A lease that could not be renewed before it ran out may be someone else's by now:
-            // the holder stops as if it were, and writes nothing more.
-            idempotency::Error::LeaseLost { .. } | idempotency::Error::LeaseUnconfirmed { .. } => {
-                Self::LeaseLost(e)
+impl Booking {
+    async fn leave(
+        &self,
+        point: RidePoint,
+        step: &mut Step<'_, RidePoint>,
+    ) -> Result<Advance<RidePoint>, Halt> {
+        let rider = Rider::of(&self.state, step)?;
+        match point {
+            RidePoint::Started => create_ride(&rider, step).await,
+            RidePoint::RideCreated => {
+                if step.arrived() {
+                    error::crash_point(&self.state, crate::failpoints::AFTER_RIDE_CREATED);
+                }
+                charging(rider, step).await?.run(step).await
             }
-            idempotency::Error::CommitUnconfirmed { .. } => Self::CommitUnconfirmed(e.to_string()),
-            other => Self::Internal(other.to_string()),
+            RidePoint::ChargePending => charging(rider, step).await?.resolve_pending(step).await,
+            RidePoint::ChargeCreated => legacy::finish_recorded(&rider, step).await,
+            RidePoint::Finished => Err(BookingError::Internal(format!(
+                "key {} was stepped although finished",
+                rider.key_id
+            ))
+            .into()),
         }
     }
 }
 
-fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> BookingError {
-    move |e| BookingError::Internal(format!("{context}: {e}"))
-}
-
-/// Stops here if a test armed this crash point.
-fn crash_point(state: &AppState, point: &'static str) -> Result<(), BookingError> {
-    if crate::failpoints::hit(&state.failpoints, point) {
-        return Err(BookingError::Crashed(point));
-    }
-    Ok(())
-}
-
-/// What one step did.
-enum Step {
-    /// A phase committed; run the next one.
-    Advanced,
-    /// The final phase stored this response.
-    Respond(StoredResponse),
-}
-
-/// The idempotency key under which the gateway is asked to charge for a request: derived from
-/// the request's random UUID and the charge's generation, never from the attempt, so that every
-/// resumption of one generation asks for the same charge.
-pub fn gateway_key(request: idempotency::Uuid, generation: i32) -> String {
-    format!("rocket-rides:{request}:charge:{generation}")
-}
-
-/// The first phase of a new key, merged with its claim: the ride and its audit record, in the
-/// transaction that inserted the key. Returns the lease, at `ride_created`, and what the charge
-/// step needs to know, so that it reads nothing again.
-///
-/// The gateway is asked right after the commit, so the ride's creation time stands for the
-/// first attempt (a crash in between only makes it earlier, which is the safe side for both of
-/// its uses).
-pub async fn create_ride(
-    state: &AppState,
-    mut first: FirstPhase<RidePoint>,
-    request: &RideRequest,
-    customer: &str,
-) -> Result<(Lease<RidePoint>, ChargeTarget), BookingError> {
-    let (user_id, key_id) = (rider(first.lease())?, first.lease().key_id());
-    let (lease, (ride_id, first_attempt_at)) = if state.failpoints.split_first_phase() {
+/// The step that leaves `started`: the ride and its audit record, in the transaction that
+/// inserts a new key (or, for a key an earlier version claimed and left, in a step of its own).
+async fn create_ride(
+    rider: &Rider<'_>,
+    step: &mut Step<'_, RidePoint>,
+) -> Result<Advance<RidePoint>, Halt> {
+    let state = rider.state;
+    let request: RideRequest = serde_json::from_value(step.params().clone()).map_err(|e| {
+        BookingError::Internal(format!("key {} has unreadable params: {e}", rider.key_id))
+    })?;
+    if state.failpoints.split_first_phase() {
         // The chaos harness's negative control: the key's recovery point and its ride in two
         // transactions, so that a failure between them leaves a key naming no ride.
-        let lease = first.commit().await?;
+        let lease = step.lease().await?;
+        state
+            .store
+            .phase(lease, RidePoint::RideCreated)
+            .await?
+            .commit()
+            .await?;
         let mut conn = state.store.autocommit().await.map_err(db("acquire"))?;
-        let ride = insert_ride(conn.conn(), state, user_id, Some(key_id), request).await?;
+        insert_ride(
+            conn.conn(),
+            state,
+            rider.user_id,
+            Some(rider.key_id),
+            &request,
+        )
+        .await?;
         conn.done().await.map_err(db("insert ride"))?;
-        (lease, ride)
     } else {
-        let ride = insert_ride(first.conn(), state, user_id, Some(key_id), request).await?;
-        (first.commit().await?, ride)
-    };
-    crash_point(state, crate::failpoints::AFTER_RIDE_CREATED)?;
-    let target = ChargeTarget {
-        ride_id,
-        amount_cents: request.amount_cents,
-        charge_id: None,
-        customer: customer.to_owned(),
-        generation: 1,
-        first_attempt_at,
-        past_window: false,
-        // The ride's creation stands for the first call, which follows at once.
-        attempted_at: first_attempt_at,
-        attempts_unknown: false,
-        doubt: Kept(None),
-        refusal: None,
-        fresh: true,
-    };
-    Ok((lease, target))
-}
-
-/// Runs the booking from the lease's recovery point to a stored response. `known` is what the
-/// first phase learnt about the ride, when this process ran it; otherwise it is read.
-pub async fn run(
-    state: &AppState,
-    lease: &mut Lease<RidePoint>,
-    known: Option<ChargeTarget>,
-) -> Result<StoredResponse, BookingError> {
-    let mut known = known;
-    loop {
-        let step = match lease.recovery_point() {
-            RidePoint::Started => resume_started(state, lease).await?,
-            RidePoint::RideCreated => {
-                let target = match known.take() {
-                    Some(target) => target,
-                    None => {
-                        let target = ChargeTarget::load(state, lease).await?;
-                        state
-                            .failpoints
-                            .stand_still(crate::failpoints::AFTER_RIDE_LOADED)
-                            .await;
-                        target
-                    }
-                };
-                charge(state, lease, target).await?
-            }
-            RidePoint::ChargePending => resolve_pending(state, lease).await?,
-            RidePoint::ChargeCreated => finish_recorded(state, lease).await?,
-            RidePoint::Finished => {
-                return Err(BookingError::Internal(format!(
-                    "key {} was acquired although finished",
-                    lease.key_id()
-                )))
-            }
-        };
-        match step {
-            Step::Advanced => continue,
-            Step::Respond(response) => {
-                crash_point(state, crate::failpoints::AFTER_FINISHED)?;
-                return Ok(response);
-            }
-        }
+        let tx = step.tx().await?;
+        insert_ride(tx, state, rider.user_id, Some(rider.key_id), &request).await?;
     }
+    Ok(Advance::To(RidePoint::RideCreated))
 }
 
-/// A key an earlier version claimed and left before its first phase: that phase now, on its own.
-async fn resume_started(
-    state: &AppState,
-    lease: &mut Lease<RidePoint>,
-) -> Result<Step, BookingError> {
-    let request: RideRequest = serde_json::from_value(lease.params().clone()).map_err(|e| {
-        BookingError::Internal(format!("key {} has unreadable params: {e}", lease.key_id()))
-    })?;
-    let user_id = rider(lease)?;
-    let mut phase = state.store.phase(lease, RidePoint::RideCreated).await?;
-    let key_id = phase.key_id();
-    insert_ride(phase.conn(), state, user_id, Some(key_id), &request).await?;
-    phase.commit().await?;
-    crash_point(state, crate::failpoints::AFTER_RIDE_CREATED)?;
-    Ok(Step::Advanced)
+/// What the charge step works with: its ride, read. The ride's creation, or the last call's
+/// record, stands for the next call's record when this holder wrote it ([`Step::arrived`]).
+async fn charging<'a>(
+    rider: Rider<'a>,
+    step: &mut Step<'_, RidePoint>,
+) -> Result<Charging<'a>, Halt> {
+    let target = ChargeTarget::load(&rider, step.arrived()).await?;
+    rider
+        .state
+        .failpoints
+        .stand_still(crate::failpoints::AFTER_RIDE_LOADED)
+        .await;
+    Ok(Charging { rider, target })
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use idempotency::BindTime;
 use sqlx::PgConnection;
 use time::OffsetDateTime;
 
-use super::{db, BookingError};
+use super::error::{db, BookingError};
 use crate::ride::{RideRequest, RideView, RIDE_COLUMNS};
 use crate::state::AppState;
 

@@ -7,21 +7,22 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use http::{HeaderMap, Uri};
+use std::sync::Arc;
+
 use idempotency::wait::KeyState;
-use idempotency::{Begun, Claim, Error, Fingerprint, Lease, NewRequest, Owner, Store};
+use idempotency::workflow::kind;
+use idempotency::{Fingerprint, IdempotencyKey, NewRequest, Outcome, Owner, Request};
 use idempotency_axum::layer::DEFAULT_MAX_WAIT;
-use idempotency_axum::{
-    acquired_or_respond, replayed_response, stored_response, wait_preference, RequiredKey,
-};
+use idempotency_axum::{stored_response, wait_preference, RequiredKey};
 use serde_json::json;
 use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::admission::Admitted;
 use crate::auth::AuthUser;
-use crate::booking::{self, BookingError, RidePoint};
-use crate::problem::ApiError;
+use crate::booking::Booking;
 use crate::problem::ProblemDocument as Problem;
+use crate::problem::{types, ApiError};
 use crate::problem::{IDENTITY_ONLY_DETAIL, JSON_ONLY_DETAIL};
 use crate::ride::{BodyError, RideRequest, RideView, RideView as Ride, RIDES_ROUTE};
 use crate::state::AppState;
@@ -68,74 +69,32 @@ pub async fn create(
         // Cut off, or too slow to arrive (the body-read timeout).
         _ => ApiError::BadBody(e.body_text()),
     })?;
-    let (request, json) = RideRequest::parse(&body).map_err(|e| match e {
+    let (request, _) = RideRequest::parse(&body).map_err(|e| match e {
         BodyError::NotJson(why) => ApiError::BadJson(why),
         BodyError::Invalid(errors) => ApiError::Validation(errors),
     })?;
     let params = serde_json::to_value(&request).map_err(|e| ApiError::Internal(e.to_string()))?;
     let deadline = wait_preference(&headers, DEFAULT_MAX_WAIT).map(|wait| Instant::now() + wait);
-
-    // From the claim on, the request runs in a task of its own. If the client hangs up, hyper
-    // drops the handler's future; were the claim, a phase or the release dropped with it, the key
-    // would stay locked until its lease expired. The task finishes what it started.
-    // The task logs in the request's span, so its lines carry the request id. It holds the
-    // request's slot of the admission gate until it ends, since it uses the database until then.
+    let owner = Owner::from(user.id);
+    // The library runs the booking detached from this connection; the task here is the
+    // service's own bookkeeping: shutdown waits for it, and it holds the request's slot of the
+    // admission gate until the booking is done with the database.
     let task = state.clone().tasks.spawn(
         async move {
             let _admitted = admitted;
-            let fingerprint = Fingerprint::of_json("POST", RIDES_ROUTE, &json);
-            let owner = Owner::from(user.id);
-            // A replay, a mismatch or a key in flight is answered from one read. A new key is
-            // inserted in the transaction that creates its ride.
-            let request_key = NewRequest {
-                owner: &owner,
-                method: "POST",
-                route: RIDES_ROUTE,
-                key: &key,
-                fingerprint,
-                params: &params,
-            };
-            let mut begun = begin(&state.store, request_key).await?;
-            // Kept across the claims between waits (see `Store::wait_for_answer_paced`).
-            let mut pause = idempotency::wait::WAIT_POLL_FIRST;
-            // A duplicate whose client asked to wait (`Prefer: wait=N`): until the holder
-            // answers (its answer, replayed), lets the key go (claimed again: this request may
-            // resume it), or the deadline comes (the usual 409). Between reads it holds no
-            // pooled connection.
-            while let (Begun::Existing(Claim::InFlight { .. }), Some(deadline)) = (&begun, deadline)
-            {
-                if Instant::now() >= deadline {
-                    break;
-                }
-                match state
-                    .store
-                    .wait_for_answer_paced(&request_key, deadline, &mut pause)
-                    .await?
-                {
-                    KeyState::Finished(stored) => return Ok(replayed_response(&stored)),
-                    KeyState::Held { lease_left } => {
-                        let retry_after = lease_left;
-                        begun = Begun::Existing(Claim::InFlight { retry_after });
-                        break;
-                    }
-                    KeyState::Absent | KeyState::Mismatch | KeyState::Claimable => {
-                        begun = begin(&state.store, request_key).await?;
-                    }
-                }
+            let booking = Arc::new(Booking::new(state.clone()));
+            let request = Request::new(owner.clone(), key.clone(), params.clone());
+            let mut outcome = state.store.run(&booking, request).await;
+            if let Some(deadline) = deadline {
+                let waiting = Waiting {
+                    owner: &owner,
+                    key: &key,
+                    params: &params,
+                    deadline,
+                };
+                outcome = waiting.for_holder(&state, &booking, outcome).await?;
             }
-            match begun {
-                Begun::New(first) => {
-                    let (lease, target) =
-                        booking::create_ride(&state, first, &request, &user.customer)
-                            .await
-                            .map_err(unfinished_first_phase)?;
-                    book(&state, lease, Some(target)).await
-                }
-                Begun::Existing(claim) => match acquired_or_respond(claim) {
-                    Ok(lease) => book(&state, lease, None).await,
-                    Err(refusal) => Ok(refusal),
-                },
-            }
+            answer(&state, outcome)
         }
         .instrument(tracing::Span::current()),
     );
@@ -143,19 +102,101 @@ pub async fn create(
         .map_err(|e| ApiError::Internal(format!("booking task failed: {e}")))?
 }
 
-/// Claims the booking's key, inserting a new one at `RideCreated` in the transaction that creates
-/// its ride: read first, so that a replay is one plain read. A build with the `bench` feature
-/// run with `BENCH_CLAIM=insert-first` inserts first instead ([`Store::begin_optimistic`]: the
-/// read only on a conflict, inside the claim's transaction), for the benchmark to compare the two
-/// (docs/performance.md).
-async fn begin(store: &Store, request: NewRequest<'_>) -> Result<Begun<RidePoint>, Error> {
-    #[cfg(feature = "bench")]
-    if super::bench::claim_inserts_first() {
-        return store
-            .begin_optimistic(request, RidePoint::RideCreated)
-            .await;
+/// A duplicate whose client asked to wait (`Prefer: wait=N`).
+struct Waiting<'a> {
+    owner: &'a Owner,
+    key: &'a IdempotencyKey,
+    params: &'a serde_json::Value,
+    deadline: Instant,
+}
+
+impl Waiting<'_> {
+    /// While another request holds the key: until the holder answers (its answer, replayed),
+    /// lets the key go (run again: this request may resume it), or the deadline comes (the
+    /// usual 409). Between reads it holds no pooled connection.
+    async fn for_holder(
+        &self,
+        state: &AppState,
+        booking: &Arc<Booking>,
+        mut outcome: Outcome,
+    ) -> Result<Outcome, ApiError> {
+        let waiting = NewRequest {
+            owner: self.owner,
+            method: "POST",
+            route: RIDES_ROUTE,
+            key: self.key,
+            // The fingerprint `Store::run` computes: of the method, the route and the params.
+            fingerprint: Fingerprint::of_json("POST", RIDES_ROUTE, self.params),
+            params: self.params,
+        };
+        // Kept across the runs between waits (see `Store::wait_for_answer_paced`).
+        let mut pause = idempotency::wait::WAIT_POLL_FIRST;
+        while let Outcome::InFlight { .. } = outcome {
+            if Instant::now() >= self.deadline {
+                break;
+            }
+            outcome = match state
+                .store
+                .wait_for_answer_paced(&waiting, self.deadline, &mut pause)
+                .await?
+            {
+                KeyState::Finished(stored) => Outcome::Replayed(stored),
+                // Still held at the deadline: the usual 409.
+                KeyState::Held { lease_left } => {
+                    return Ok(Outcome::InFlight {
+                        retry_after: lease_left,
+                    })
+                }
+                KeyState::Absent | KeyState::Mismatch | KeyState::Claimable => {
+                    let request =
+                        Request::new(self.owner.clone(), self.key.clone(), self.params.clone());
+                    state.store.run(booking, request).await
+                }
+            };
+        }
+        Ok(outcome)
     }
-    store.begin(request, RidePoint::RideCreated).await
+}
+
+/// The answer to a booking's outcome: the library's for what it decides alone (a replay, a
+/// reused key, a key in flight), the service's problem for each transient failure by its kind
+/// (the booking names each by its problem type, [`idempotency::Halt::kind`]; the library's own
+/// kinds answer as the closest of them).
+fn answer(state: &AppState, outcome: Outcome) -> Result<Response, ApiError> {
+    match outcome {
+        Outcome::Answered(stored) => {
+            if crate::failpoints::hit(&state.failpoints, crate::failpoints::AFTER_FINISHED) {
+                // A simulated crash after the answer was stored, before it leaves.
+                tracing::warn!(point = crate::failpoints::AFTER_FINISHED, "crash point hit");
+                return Err(ApiError::Internal("crashed after finishing".into()));
+            }
+            Ok(stored_response(&stored))
+        }
+        outcome @ (Outcome::Replayed(_) | Outcome::Mismatch | Outcome::InFlight { .. }) => {
+            Ok(idempotency_axum::respond(outcome))
+        }
+        Outcome::RetryLater {
+            retry_after,
+            cause,
+            kind,
+        } => Err(match kind {
+            types::GATEWAY_UNAVAILABLE => ApiError::GatewayUnavailable(cause),
+            types::PAYMENT_PENDING => ApiError::PaymentPending(cause),
+            types::PAYMENT_UNCONFIRMED => ApiError::PaymentUnconfirmed(retry_after),
+            types::SHUTTING_DOWN => ApiError::ShuttingDown,
+            kind::COMMIT_UNCONFIRMED => ApiError::CommitUnconfirmed(cause),
+            // The call was stopped and the key released: as a gateway that did not answer.
+            kind::LEASE_UNCONFIRMED => ApiError::GatewayUnavailable(cause),
+            // `types::INTERNAL`, and any kind the booking does not name.
+            _ => ApiError::Internal(cause),
+        }),
+        Outcome::Lost => {
+            // The lease is someone else's now; there is nothing of ours to release.
+            state.metrics.lease_lost();
+            Err(ApiError::LeaseLost)
+        }
+        Outcome::Failed { cause } => Err(ApiError::Internal(cause)),
+    }
 }
 
 /// A positive id in its one canonical decimal form: `30`, never `030`, `+30`, `%33%30` or `3e1`.
@@ -186,69 +227,6 @@ fn json_body_headers(headers: &HeaderMap) -> Result<(), ApiError> {
         return Err(ApiError::UnsupportedMediaType(IDENTITY_ONLY_DETAIL));
     }
     Ok(())
-}
-
-/// The answer when the first phase did not finish: it rolled back with its key (a retry starts
-/// afresh), or it committed and a crash point stopped the request (the key waits for its lease
-/// to expire, as a dead process leaves it).
-fn unfinished_first_phase(error: BookingError) -> ApiError {
-    match error {
-        BookingError::Crashed(point) => {
-            tracing::warn!(point, "crash point hit");
-            ApiError::Internal(format!("crashed at {point}"))
-        }
-        BookingError::CommitUnconfirmed(why) => ApiError::CommitUnconfirmed(why),
-        other => ApiError::Internal(other.to_string()),
-    }
-}
-
-/// Runs the booking with the lease and turns its outcome into the answer, releasing the lease
-/// on every failure a retry can resume from.
-async fn book(
-    state: &AppState,
-    mut lease: Lease<RidePoint>,
-    known: Option<booking::ChargeTarget>,
-) -> Result<Response, ApiError> {
-    let mut giving_up = state.giving_up.clone();
-    let outcome = tokio::select! {
-        outcome = booking::run(state, &mut lease, known) => outcome,
-        // Shutdown deadline: stop between two statements of the machine (an open phase rolls
-        // back), hand the key back, and let the client's retry resume it elsewhere.
-        _ = giving_up.wait() => Err(BookingError::GivenUp),
-    };
-    let key_id = lease.key_id();
-    // Every failure but a crash and a lost lease hands the key back: the retry resumes from its
-    // recovery point at once instead of waiting for the lease to expire.
-    let answer = match outcome {
-        Ok(stored) => return Ok(stored_response(&stored)),
-        Err(BookingError::Crashed(point)) => {
-            // A simulated crash: the lease is kept until it expires, as a dead process keeps it.
-            tracing::warn!(key_id, point, "crash point hit");
-            return Err(ApiError::Internal(format!("crashed at {point}")));
-        }
-        Err(BookingError::LeaseLost(e)) => {
-            // The lease is someone else's now; there is nothing of ours to release.
-            state.metrics.lease_lost();
-            tracing::warn!(key_id, error = %e, "lease taken over mid-request");
-            return Err(ApiError::LeaseLost);
-        }
-        Err(BookingError::GatewayUnavailable(why)) => ApiError::GatewayUnavailable(why),
-        Err(BookingError::GatewayMisconfigured(why)) => {
-            // Ours to fix, not the client's: loud in the log, counted in gateway_charges_total
-            // (outcome "misconfigured"), and a plain 503 to the client, who may retry.
-            tracing::error!(key_id, error = %why, "payment gateway misconfigured");
-            ApiError::GatewayUnavailable(why)
-        }
-        Err(BookingError::PaymentPending(charge)) => ApiError::PaymentPending(charge),
-        Err(BookingError::Unconfirmed { retry_after }) => ApiError::PaymentUnconfirmed(retry_after),
-        Err(BookingError::GivenUp) => ApiError::ShuttingDown,
-        Err(BookingError::CommitUnconfirmed(why)) => ApiError::CommitUnconfirmed(why),
-        Err(BookingError::Internal(why)) => ApiError::Internal(why),
-    };
-    if let Err(release) = state.store.release(lease).await {
-        tracing::warn!(key_id, error = %release, "could not release lease");
-    }
-    Err(answer)
 }
 
 /// `GET /rides/{id}`: the owner's ride; 404 for everyone else, so ids reveal nothing.

@@ -1,7 +1,7 @@
 //! `rocket-rides worker`: the loops that finish what requests left behind.
 //!
 //! - [`completer`]: drives abandoned keys (client gone, process dead) to a final state with the
-//!   request's own phase machine, from the stored parameters.
+//!   request's own [`Booking`](crate::booking::Booking), from the stored parameters.
 //! - [`reaper`]: deletes finished keys past retention; never unfinished ones.
 //! - [`outbox`]: delivers the jobs that final phases staged, once in effect.
 //!

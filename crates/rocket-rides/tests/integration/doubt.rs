@@ -324,71 +324,57 @@ async fn the_reconciling_list_is_bounded_by_the_first_attempt_and_the_last_call(
     );
 }
 
-/// A new key's first phase done by hand, as the handler does it: the ride exists, and the holder
-/// has its lease and what its first call needs, and has not called yet.
-async fn first_phase_done(
+/// A new request for `k-1`, in the background, standing still after its first step created the
+/// ride and its charge step read it, before its first call: the handle lets it go on.
+async fn standing_before_its_first_call(
     app: &TestApp,
-    user_id: i64,
+    api_key: &str,
 ) -> (
-    idempotency::Lease<rocket_rides::booking::RidePoint>,
-    rocket_rides::booking::ChargeTarget,
+    rocket_rides::failpoints::StandingStill,
+    tokio::task::JoinHandle<common::Reply>,
 ) {
-    use rocket_rides::booking::{self, RidePoint};
-    let key = idempotency::IdempotencyKey::parse(b"k-1").unwrap();
-    let (request, body) = rocket_rides::ride::RideRequest::parse(RIDE.as_bytes()).unwrap();
-    let params = serde_json::to_value(&request).unwrap();
-    let route = rocket_rides::ride::RIDES_ROUTE;
-    let begun = app
+    let mut still = app
         .state
-        .store
-        .begin(
-            idempotency::NewRequest {
-                owner: &idempotency::Owner::from(user_id),
-                method: "POST",
-                route,
-                key: &key,
-                fingerprint: idempotency::Fingerprint::of_json("POST", route, &body),
-                params: &params,
-            },
-            RidePoint::RideCreated,
-        )
-        .await
-        .unwrap();
-    let idempotency::Begun::New(first) = begun else {
-        panic!("a new key");
-    };
-    let customer: String = sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
-        .bind(user_id)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
-    booking::create_ride(&app.state, first, &request, &customer)
-        .await
-        .unwrap()
+        .failpoints
+        .stand_still_at(rocket_rides::failpoints::AFTER_RIDE_LOADED);
+    let (http, base, api_key) = (app.http.clone(), app.base.clone(), api_key.to_owned());
+    let request = tokio::spawn(async move {
+        let request = http
+            .post(format!("{base}/rides"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", "k-1")
+            .bearer_auth(api_key)
+            .body(RIDE);
+        common::Reply::read(request.send().await.unwrap()).await
+    });
+    still.reached().await;
+    (still, request)
 }
 
 #[testdb::test(template = crate::common::migrated)]
 async fn a_holder_whose_lease_ran_out_before_its_first_call_never_calls(pool: PgPool) {
-    use rocket_rides::booking::{self, BookingError};
-    let (app, user_id, _) = common::fronted_app(pool).await;
-    // The first phase commits (the ride is created), and then the holder stands still past its
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
+    // The first step commits (the ride is created), and then the holder stands still past its
     // lease before its first gateway call.
-    let (mut stale, target) = first_phase_done(&app, user_id).await;
+    let (still, stale) = standing_before_its_first_call(&app, &api_key).await;
     app.expire_leases();
     // Another attempt takes the key over and moves the charge to a new generation.
     let taker = match app.claim(user_id, "k-1").await {
         idempotency::Claim::Acquired(lease) => lease,
         other => panic!("expected a takeover, got {other:?}"),
     };
-    assert!(taker.token() > stale.token());
+    assert!(taker.token() > 1);
     sqlx::query("UPDATE rides SET charge_generation = 2 WHERE user_id = $1")
         .bind(user_id)
         .execute(&app.pool)
         .await
         .unwrap();
-    // The stale holder wakes: its own clock says its lease may be gone, it asks, and stops.
-    let woke = booking::run(&app.state, &mut stale, Some(target)).await;
-    assert!(matches!(woke, Err(BookingError::LeaseLost(_))), "{woke:?}");
+    // The stale holder wakes: its own clock says its lease may be gone, it records its call
+    // first, and the fenced record finds the lease taken: it stops.
+    still.go_on();
+    let woke = stale.await.unwrap();
+    assert_eq!(woke.status, 409, "{woke:?}");
+    assert_eq!(woke.problem_type(), types::LEASE_LOST);
     let charge_calls = app
         .front()
         .seen()
@@ -511,19 +497,19 @@ async fn a_ride_left_by_an_earlier_version_waits_from_first_sight_before_it_is_r
 
 #[testdb::test(template = crate::common::migrated)]
 async fn a_first_call_a_heartbeat_after_its_phase_is_recorded_before_it_leaves(pool: PgPool) {
-    use rocket_rides::booking;
-    let (app, user_id, _) = common::fronted_app(pool).await;
-    let (mut lease, target) = first_phase_done(&app, user_id).await;
-    // More than a heartbeat went by between the first phase and the call, and most of the
-    // lease is left: the phase's time no longer stands for the call's.
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
+    let (still, request) = standing_before_its_first_call(&app, &api_key).await;
+    // More than a heartbeat went by between the first step and the call, and most of the
+    // lease is left: the step's time no longer stands for the call's.
     assert!(
         DEFAULT_LEASE_HEARTBEAT + Duration::from_secs(1) < common::TTL - DEFAULT_LEASE_HEARTBEAT
     );
     app.clock
         .advance(DEFAULT_LEASE_HEARTBEAT + Duration::from_secs(1));
     let expected = app.clock_now();
-    let booked = booking::run(&app.state, &mut lease, Some(target)).await;
-    assert_eq!(booked.map(|r| r.status).ok(), Some(201));
+    still.go_on();
+    let booked = request.await.unwrap();
+    assert_eq!(booked.status, 201, "{booked:?}");
     let attempted: time::OffsetDateTime =
         sqlx::query_scalar("SELECT charge_attempted_at FROM rides WHERE user_id = $1")
             .bind(user_id)
@@ -539,14 +525,14 @@ async fn a_first_call_a_heartbeat_after_its_phase_is_recorded_before_it_leaves(p
 
 #[testdb::test(template = crate::common::migrated)]
 async fn a_first_call_after_the_holder_stood_still_is_recorded_before_it_leaves(pool: PgPool) {
-    use rocket_rides::booking;
-    let (app, user_id, _) = common::fronted_app(pool).await;
-    let (mut lease, target) = first_phase_done(&app, user_id).await;
-    // Most of the lease went by between the first phase and the call, and nobody took over.
+    let (app, user_id, api_key) = common::fronted_app(pool).await;
+    let (still, request) = standing_before_its_first_call(&app, &api_key).await;
+    // Most of the lease went by between the first step and the call, and nobody took over.
     app.clock.advance(common::TTL - Duration::from_secs(1));
     let expected = app.clock_now();
-    let booked = booking::run(&app.state, &mut lease, Some(target)).await;
-    assert_eq!(booked.map(|r| r.status).ok(), Some(201));
+    still.go_on();
+    let booked = request.await.unwrap();
+    assert_eq!(booked.status, 201, "{booked:?}");
     let (created, attempted): (time::OffsetDateTime, time::OffsetDateTime) = sqlx::query_as(
         "SELECT charge_generation_at, charge_attempted_at FROM rides WHERE user_id = $1",
     )

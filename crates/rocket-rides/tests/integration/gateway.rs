@@ -663,3 +663,68 @@ async fn a_ca_file_that_holds_no_certificate_is_refused_at_start(pool: PgPool) {
     assert!(error.contains("--stripe-ca-file"), "{error}");
     assert!(error.contains("no PEM certificate"), "{error}");
 }
+
+#[testdb::test(template = crate::common::migrated)]
+async fn an_unconfirmed_lease_renewal_is_a_503_and_the_key_is_released(pool: PgPool) {
+    let lease = LeaseArgs {
+        lease_ttl: TTL,
+        lease_heartbeat: Duration::from_secs(1),
+    };
+    let app = TestApp::start_with_lease(pool, GatewayArgs::default(), lease).await;
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // The booking waits on the gateway.
+    app.gateway.hold_charges();
+    let booking = {
+        let (http, base, key) = (app.http.clone(), app.base.clone(), api_key.clone());
+        tokio::spawn(async move {
+            let request = http
+                .post(format!("{base}/rides"))
+                .bearer_auth(key)
+                .header("idempotency-key", "k-1")
+                .header("content-type", "application/json")
+                .body(RIDE);
+            common::Reply::read(request.send().await.unwrap()).await
+        })
+    };
+    app.gateway.charges_held(1).await;
+    // Another transaction holds the key row, so the renewal at the next beat waits, and by the
+    // holder's clock only a fifth of a second of its lease is left: no answer in time.
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE owner = $1::text FOR UPDATE")
+        .bind(user_id)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    app.clock.advance(TTL - Duration::from_millis(200));
+    // Once the holder has given the call up, its release waits behind the blocker too.
+    let releasing = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                     AND query LIKE '%locked_until = NULL%'";
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(releasing)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+        == 0
+    {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the holder never released its key after the unconfirmed renewal"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    blocker.rollback().await.unwrap();
+    let reply = booking.await.unwrap();
+    assert_eq!(reply.status, 503, "{reply:?}");
+    assert_eq!(reply.problem_type(), types::GATEWAY_UNAVAILABLE);
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    // No other holder: the key was released at its point, for the retry to resume at once.
+    let (point, released): (String, bool) = sqlx::query_as(
+        "SELECT recovery_point, locked_until IS NULL FROM idempotency_keys WHERE owner = $1::text",
+    )
+    .bind(user_id)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!((point.as_str(), released), ("ride_created", true));
+    app.gateway.release_charges();
+}

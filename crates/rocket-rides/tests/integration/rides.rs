@@ -9,7 +9,7 @@ use common::{Reply, TestApp, RIDE};
 use fakestripe::Faults;
 use idempotency::Claim;
 use idempotency_axum::problem::types as key_types;
-use rocket_rides::booking::{self, BookingError};
+use rocket_rides::booking::Booking;
 use rocket_rides::failpoints;
 use rocket_rides::problem::types;
 use serde_json::{json, Value};
@@ -313,7 +313,7 @@ async fn a_request_that_died_after_finishing_is_replayed_without_waiting(pool: P
 async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: PgPool) {
     let (app, user_id, api_key) = app_with_user(pool).await;
     // A claims and stalls (a long GC pause, a partitioned host) until its lease expires.
-    let Claim::Acquired(mut stale) = app.claim(user_id, "k-1").await else {
+    let Claim::Acquired(stale) = app.claim(user_id, "k-1").await else {
         panic!("A should acquire");
     };
     app.expire_leases();
@@ -326,10 +326,9 @@ async fn a_stale_holder_is_fenced_out_and_the_new_holder_finishes_alone(pool: Pg
     // ride in a phase of its own.
     assert_eq!(app.recovery_point(user_id).await, "ride_created");
     // A wakes up and runs its phases: the first fenced update refuses it, before any write.
-    let err = booking::run(&app.state, &mut stale, None)
-        .await
-        .unwrap_err();
-    assert!(matches!(err, BookingError::LeaseLost(_)), "{err}");
+    let booking = Arc::new(Booking::new(app.state.clone()));
+    let outcome = app.state.store.resume(&booking, stale).await;
+    assert_eq!(outcome, idempotency::Outcome::Lost);
     assert_eq!(app.rides().await, 1);
     // Once B's lease is over too, the client's next retry finishes the one ride.
     app.expire_leases();
@@ -833,4 +832,36 @@ async fn a_duplicate_that_prefers_to_wait_gets_the_holders_answer_replayed(pool:
     assert_eq!(reply.headers["location"], "/rides/7");
     assert_eq!(reply.body, answer.body);
     assert_eq!(app.rides().await, 0, "the waiter booked nothing of its own");
+}
+
+#[testdb::test(template = crate::common::migrated)]
+async fn a_booking_given_up_at_shutdown_hands_its_key_back_and_charges_nothing(pool: PgPool) {
+    let (app, user_id, api_key) = app_with_user(pool).await;
+    // A request that died after creating its ride, its lease over.
+    app.state.failpoints.arm(failpoints::AFTER_RIDE_CREATED);
+    let crashed = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(crashed.status, 500);
+    app.expire_leases();
+    let Claim::Acquired(lease) = app.claim(user_id, "k-1").await else {
+        panic!("the expired key is claimable");
+    };
+    // The process is past its shutdown deadline.
+    let shutdown = rocket_rides::shutdown::Shutdown::new();
+    let mut state = app.state.clone();
+    state.giving_up = shutdown.giving_up();
+    let mut given_up = shutdown.giving_up();
+    tokio::spawn(shutdown.run(std::future::ready(()), std::time::Duration::ZERO));
+    given_up.wait().await;
+    let booking = Arc::new(Booking::new(state));
+    let outcome = app.state.store.resume(&booking, lease).await;
+    let idempotency::Outcome::RetryLater { kind, .. } = outcome else {
+        panic!("expected a retry later, got {outcome:?}");
+    };
+    assert_eq!(kind, types::SHUTTING_DOWN);
+    assert_eq!(app.charges().await, 0);
+    // Handed back at its point: the client's retry resumes it at once and books the ride.
+    assert_eq!(app.recovery_point(user_id).await, "ride_created");
+    let retry = app.post_ride(Some(&api_key), Some("k-1"), RIDE).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_one_paid_ride(&app).await;
 }
