@@ -60,6 +60,12 @@ impl<W: Workflow> Completer<W> {
         self
     }
 
+    /// The most keys one pass takes ([`runner::Completer::batch`]).
+    pub fn batch(mut self, keys: usize) -> Self {
+        self.inner = self.inner.batch(keys);
+        self
+    }
+
     /// How many keys are worked at once ([`runner::DEFAULT_CONCURRENCY`] by default).
     pub fn concurrency(mut self, keys: usize) -> Self {
         self.inner = self.inner.concurrency(keys);
