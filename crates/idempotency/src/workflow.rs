@@ -73,6 +73,7 @@
 mod complete;
 mod drive;
 
+use std::any::Any;
 use std::future::Future;
 use std::time::Duration;
 
@@ -128,6 +129,18 @@ pub trait Workflow: Send + Sync + 'static {
     /// The HTTP method: `POST` unless told otherwise.
     fn method(&self) -> &str {
         "POST"
+    }
+
+    /// Whether a request's claim tries the key's insert first (one transaction for a new key,
+    /// [`Store::begin_optimistic`]) rather than reading the key first ([`Store::begin`]: a
+    /// replay is one read that takes no lock and writes nothing, a new key one read more). The
+    /// default, `false`, suits a service whose clients retry and replay; a service whose keys
+    /// almost never repeat (a payment gateway, where a retry is the exception) may claim insert
+    /// first. Measured on Rocket Rides' bookings: insert first saves a transaction per new key
+    /// and is no faster for them, and halves the rate of replays. The completer never claims
+    /// this way (its keys exist).
+    fn claims_insert_first(&self) -> bool {
+        false
     }
 
     /// Runs the step that leaves `point` (never `FINISHED`): its writes go through
@@ -309,6 +322,10 @@ pub struct Step<'s, P: RecoveryPoint> {
     held: Held<P>,
     /// This holder moved the key to its point ([`Step::arrived`]).
     arrived: bool,
+    /// What the previous step of this run handed on ([`Step::handed`]).
+    pub(crate) handed: Option<Box<dyn Any + Send>>,
+    /// What this step hands on to the next ([`Step::hand_on`]).
+    pub(crate) hand_on: Option<Box<dyn Any + Send>>,
 }
 
 /// What the driver holds between and during steps.
@@ -412,6 +429,23 @@ impl<'s, P: RecoveryPoint> Step<'s, P> {
     /// holder may have done anything the point allows.
     pub fn arrived(&self) -> bool {
         self.arrived
+    }
+
+    /// Hands `value` to the next step of this run, when this one ends with [`Advance::To`] and
+    /// the run goes on: what the step learnt while it wrote (a row's id, a time) that the next
+    /// step would otherwise read again, a transaction more. Within one run only: a key claimed
+    /// at the next point (a retry, the completer) starts with nothing handed, so the next step
+    /// must still be able to read what it needs. A second call replaces the first.
+    pub fn hand_on<T: Any + Send>(&mut self, value: T) {
+        self.hand_on = Some(Box::new(value));
+    }
+
+    /// What the previous step of this run handed on ([`Step::hand_on`]), taken once: `None`
+    /// when the key was claimed at this point, when nothing was handed, or when it was not a
+    /// `T`.
+    pub fn handed<T: Any + Send>(&mut self) -> Option<T> {
+        let handed = self.handed.take()?;
+        handed.downcast().ok().map(|value| *value)
     }
 
     /// For experts: the lease itself, for what the step cannot do through [`Step::call`] and

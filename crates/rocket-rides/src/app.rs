@@ -54,7 +54,7 @@ pub fn routes(
     crate::openapi::complete(&mut doc);
     // The benchmark's baseline is left out of the document: no client should ever call it.
     // The claim's order is read here, so that a bad `BENCH_CLAIM` stops the service at start.
-    // `POST /rides` claims through the step driver (`Store::run`, read first) whatever it says.
+    // `POST /rides` reads it through `Booking::claims_insert_first`.
     #[cfg(feature = "bench")]
     crate::handlers::bench::claim_inserts_first();
     #[cfg(feature = "bench")]

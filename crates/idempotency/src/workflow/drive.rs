@@ -93,7 +93,12 @@ async fn run_request<W: Workflow>(store: &Store, workflow: &W, request: Request)
         params: &request.params,
     };
     let started = <W::Point as RecoveryPoint>::STARTED;
-    let held = match store.begin::<W::Point>(claim, started).await {
+    let begun = if workflow.claims_insert_first() {
+        store.begin_optimistic::<W::Point>(claim, started).await
+    } else {
+        store.begin::<W::Point>(claim, started).await
+    };
+    let held = match begun {
         Ok(Begun::New(phase)) => Held::First {
             phase,
             savepoint: false,
@@ -183,12 +188,16 @@ pub(super) async fn drive<W: Workflow>(
     // Whether this holder moved the key to its point ([`Step::arrived`]): a new key's claim, or
     // the previous step of this drive.
     let mut arrived = matches!(held, Held::First { .. });
+    // What the previous step handed on ([`Step::hand_on`]): nothing for the first.
+    let mut handed = None;
     for _ in 0..MAX_STEPS {
         let point = held.lease().recovery_point();
         let mut step = Step {
             store,
             held,
             arrived,
+            handed: handed.take(),
+            hand_on: None,
         };
         let result = workflow.step(point, &mut step).await;
         held = step.held;
@@ -197,6 +206,7 @@ pub(super) async fn drive<W: Workflow>(
                 Ok(next) => {
                     held = next;
                     arrived = true;
+                    handed = step.hand_on;
                     continue;
                 }
                 Err((e, lease)) => return ended_by(e, lease),

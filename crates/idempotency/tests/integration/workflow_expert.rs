@@ -1,6 +1,6 @@
 //! The step driver's expert tools against a real PostgreSQL: a step's own fenced write before its
 //! call (`Step::lease`), whether the holder arrived at the point itself (`Step::arrived`), the kind
-//! of a transient halt (`Halt::kind`), an unconfirmed renewal (released, `RetryLater`), and a run
+//! of a transient halt (`Halt::kind`), what a step hands on to the next (`Step::hand_on`), an unconfirmed renewal (released, `RetryLater`), and a run
 //! resumed from a lease the caller holds (`Store::resume`).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -47,6 +47,8 @@ struct Notes {
     clock: ManualClock,
     /// `Step::arrived` at `Written`, each time the step ran.
     arrived: Mutex<Vec<bool>>,
+    /// `Step::handed` at `Written`, each time the step ran.
+    handed: Mutex<Vec<Option<String>>>,
     halted: AtomicBool,
     calls: AtomicUsize,
 }
@@ -63,6 +65,7 @@ impl Workflow for Notes {
             Point::Started => {
                 let key_id = step.key_id();
                 write(step.tx().await?, key_id, "first").await?;
+                step.hand_on(format!("written by key {key_id}"));
                 Ok(Advance::To(Point::Written))
             }
             Point::Written => self.written(step).await,
@@ -74,6 +77,7 @@ impl Workflow for Notes {
 impl Notes {
     async fn written(&self, step: &mut Step<'_, Point>) -> Result<Advance<Point>, Halt> {
         self.arrived.lock().unwrap().push(step.arrived());
+        self.handed.lock().unwrap().push(step.handed::<String>());
         let key_id = step.key_id();
         match self.mode {
             Mode::RecordThenCall => {
@@ -155,6 +159,7 @@ async fn fixture(pool: PgPool, mode: Mode) -> Fixture {
         store_pool: pool.clone(),
         clock,
         arrived: Mutex::default(),
+        handed: Mutex::default(),
         halted: AtomicBool::new(false),
         calls: AtomicUsize::new(0),
     });
@@ -242,6 +247,23 @@ async fn a_halts_kind_comes_back_and_a_key_claimed_again_has_not_arrived(pool: P
     assert!(matches!(second, Outcome::Answered(_)), "{second:?}");
     // The run that moved the key there arrived; the retry that claimed it again did not.
     assert_eq!(*f.notes.arrived.lock().unwrap(), [true, false]);
+}
+
+#[testdb::test(template = crate::migrated)]
+async fn what_a_step_hands_on_reaches_the_next_step_of_its_run_only(pool: PgPool) {
+    let f = fixture(pool, Mode::HaltOnce).await;
+    assert!(matches!(f.run().await, Outcome::RetryLater { .. }));
+    assert!(matches!(f.run().await, Outcome::Answered(_)));
+    let key_id: i64 = sqlx::query_scalar("SELECT id FROM idempotency_keys")
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    // The run that wrote it passed it on; the retry, which claimed the key at `Written`,
+    // starts with nothing and must read what it needs.
+    assert_eq!(
+        *f.notes.handed.lock().unwrap(),
+        [Some(format!("written by key {key_id}")), None]
+    );
 }
 
 #[testdb::test(template = crate::migrated)]

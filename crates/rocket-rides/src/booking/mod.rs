@@ -93,6 +93,15 @@ impl Workflow for Booking {
         RIDES_ROUTE
     }
 
+    /// Read first, as shipped; a build with the `bench` feature claims insert first when
+    /// `BENCH_CLAIM=insert-first`, for docs/performance.md's comparison of the two.
+    fn claims_insert_first(&self) -> bool {
+        #[cfg(feature = "bench")]
+        return crate::handlers::bench::claim_inserts_first();
+        #[cfg(not(feature = "bench"))]
+        false
+    }
+
     /// Runs the step that leaves `point`, until it ends or the process gives up (the shutdown
     /// deadline passed): then the step stops between two statements (an open transaction rolls
     /// back), the driver hands the key back, and the client's retry resumes it elsewhere.
@@ -145,7 +154,8 @@ async fn create_ride(
     let request: RideRequest = serde_json::from_value(step.params().clone()).map_err(|e| {
         BookingError::Internal(format!("key {} has unreadable params: {e}", rider.key_id))
     })?;
-    if state.failpoints.split_first_phase() {
+    // The customer is read with the ride's insert, for the charge step that follows in this run.
+    let ((ride_id, first_attempt_at), customer) = if state.failpoints.split_first_phase() {
         // The chaos harness's negative control: the key's recovery point and its ride in two
         // transactions, so that a failure between them leaves a key naming no ride.
         let lease = step.lease().await?;
@@ -156,7 +166,7 @@ async fn create_ride(
             .commit()
             .await?;
         let mut conn = state.store.autocommit().await.map_err(db("acquire"))?;
-        insert_ride(
+        let ride = insert_ride(
             conn.conn(),
             state,
             rider.user_id,
@@ -164,21 +174,45 @@ async fn create_ride(
             &request,
         )
         .await?;
+        let customer = rows::customer(conn.conn(), state, rider.user_id).await?;
         conn.done().await.map_err(db("insert ride"))?;
+        (ride, customer)
     } else {
         let tx = step.tx().await?;
-        insert_ride(tx, state, rider.user_id, Some(rider.key_id), &request).await?;
-    }
+        let ride = insert_ride(tx, state, rider.user_id, Some(rider.key_id), &request).await?;
+        (ride, rows::customer(tx, state, rider.user_id).await?)
+    };
+    // The charge step that follows in this run starts from what was just written, without
+    // reading the ride again (a transaction less per booking); a retry or the completer reads it.
+    step.hand_on(ChargeTarget {
+        ride_id,
+        amount_cents: request.amount_cents,
+        charge_id: None,
+        customer,
+        generation: 1,
+        first_attempt_at,
+        past_window: false,
+        // The ride's creation stands for the first call, which follows at once.
+        attempted_at: first_attempt_at,
+        attempts_unknown: false,
+        doubt: target::Kept(None),
+        refusal: None,
+        fresh: true,
+    });
     Ok(Advance::To(RidePoint::RideCreated))
 }
 
-/// What the charge step works with: its ride, read. The ride's creation, or the last call's
-/// record, stands for the next call's record when this holder wrote it ([`Step::arrived`]).
+/// What the charge step works with: its ride, as the step before handed it on in this run, or
+/// read. The ride's creation, or the last call's record, stands for the next call's record when
+/// this holder wrote it ([`Step::arrived`]).
 async fn charging<'a>(
     rider: Rider<'a>,
     step: &mut Step<'_, RidePoint>,
 ) -> Result<Charging<'a>, Halt> {
-    let target = ChargeTarget::load(&rider, step.arrived()).await?;
+    let target = match step.handed::<ChargeTarget>() {
+        Some(target) => target,
+        None => ChargeTarget::load(&rider, step.arrived()).await?,
+    };
     rider
         .state
         .failpoints

@@ -55,6 +55,21 @@ pub(crate) async fn insert_ride(
         .map_err(db("insert ride"))
 }
 
+/// The gateway's customer of `user_id`, read in the transaction that creates the ride: what the
+/// charge that follows in the same run asks the gateway to charge.
+pub(crate) async fn customer(
+    conn: &mut PgConnection,
+    state: &AppState,
+    user_id: i64,
+) -> Result<String, BookingError> {
+    sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
+        .bind(user_id)
+        .persistent(state.store.persistent())
+        .fetch_one(conn)
+        .await
+        .map_err(db("read the rider's customer"))
+}
+
 /// A paid charge on its ride, its audit record and the ride's receipt job, in one statement;
 /// returns the ride as it is now.
 pub(crate) async fn charge_paid(
