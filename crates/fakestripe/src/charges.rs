@@ -19,7 +19,7 @@ use crate::db::{self, Cursor, NewCharge, Page};
 use crate::faults::{
     AfterCharge, BeforeCharge, FaultKind, IntermediaryAnswer, IntermediaryBody, Plan, Stored,
 };
-use crate::idempotent::{self, Begun, Operation};
+use crate::idempotent::{self, Call, Done, Hold, Operation};
 use crate::messages;
 use crate::model::{Charge, MAX_DESCRIPTION_LEN};
 use crate::params::{self, FormBody, QueryParams};
@@ -61,26 +61,28 @@ pub(crate) async fn create(
 
     let params = Value::Object(params);
     run_detached(async move {
-        let work = match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await?
-        {
-            Begun::Run(work) => work,
-            Begun::Replay(stored) => {
-                return Ok(replay(&state, &plan, key.as_ref(), &stored));
-            }
-            Begun::Answer(response) => return Ok(response),
-        };
-        state.pass_gate().await;
-        if let Some(kind) = plan.delay_fault {
-            state.record_fault(kind);
-        }
-        if !plan.delay.is_zero() {
-            tokio::time::sleep(plan.delay).await;
-        }
         let op = Operation::CreateCharge {
             charge,
             pending: plan.pending,
         };
-        let outcome = idempotent::complete(&state, account.id, work, &op, plan.stored).await?;
+        let call = Call {
+            account_id: account.id,
+            route: ROUTE,
+            key: key.clone(),
+            params,
+            op,
+            stored: plan.stored,
+            hold: Hold {
+                delay: plan.delay,
+                fault: plan.delay_fault,
+            },
+        };
+        let ran = idempotent::run(&state, call);
+        let outcome = match ran.await? {
+            Done::Ran(outcome) => outcome,
+            Done::Replay(stored) => return Ok(replay(&state, &plan, key.as_ref(), &stored)),
+            Done::Answer(response) => return Ok(response),
+        };
         if outcome.stored_server_error {
             state.record_fault(match plan.stored {
                 Stored::ServerErrorAfterCharge => FaultKind::Sticky500AfterCharge,
@@ -137,7 +139,7 @@ fn replay(
             state.record_fault(FaultKind::IdempotencyErrorOnReplay);
             ApiError::idempotency_mismatch(key.as_str()).into_response()
         }
-        // `begin` replays only for a key, so `None` does not happen here; a replay not struck
+        // Only a key replays, so `None` does not happen here; a replay not struck
         // goes as it is.
         Some(_) | None => idempotency_axum::replayed_response(stored),
     }

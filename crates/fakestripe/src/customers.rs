@@ -12,7 +12,7 @@ use crate::api_error::ApiError;
 use crate::auth::Account;
 use crate::db::{self, NewCustomer};
 use crate::faults::Stored;
-use crate::idempotent::{self, Begun, Operation};
+use crate::idempotent::{self, Call, Done, Hold, Operation};
 use crate::model::{Customer, Source, MAX_DESCRIPTION_LEN};
 use crate::params::{self, FormBody};
 use crate::state::{run_detached, AppState};
@@ -34,15 +34,22 @@ pub(crate) async fn create(
     let new = parse_new_customer(&params)?;
     let params = Value::Object(params);
     run_detached(async move {
-        let work = match idempotent::begin(&state, account.id, ROUTE, key.as_ref(), &params).await?
-        {
-            Begun::Run(work) => work,
-            Begun::Replay(stored) => return Ok(idempotency_axum::replayed_response(&stored)),
-            Begun::Answer(response) => return Ok(response),
-        };
         let op = Operation::CreateCustomer(new);
-        let outcome = idempotent::complete(&state, account.id, work, &op, Stored::Outcome).await?;
-        Ok(idempotency_axum::stored_response(&outcome.response))
+        let call = Call {
+            account_id: account.id,
+            route: ROUTE,
+            key,
+            params,
+            op,
+            stored: Stored::Outcome,
+            hold: Hold::default(),
+        };
+        let ran = idempotent::run(&state, call);
+        match ran.await? {
+            Done::Ran(outcome) => Ok(idempotency_axum::stored_response(&outcome.response)),
+            Done::Replay(stored) => Ok(idempotency_axum::replayed_response(&stored)),
+            Done::Answer(response) => Ok(response),
+        }
     })
     .await
 }

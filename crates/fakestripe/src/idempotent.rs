@@ -1,15 +1,15 @@
-//! Stripe's idempotency, built on the `idempotency` crate.
-//!
-//! A `POST` with an `Idempotency-Key` runs as one key of the account (`user_id` = account id)
-//! in a single transaction, claim included:
+//! Stripe's idempotency, built on the `idempotency` crate's one path: each `POST` with an
+//! `Idempotency-Key` is a one-step [`Workflow`] that [`Store::run`](idempotency::Store::run) runs for the account
+//! (`owner` = account id), the claim (insert first: `Workflow::claims_insert_first`) and the
+//! step in one transaction:
 //!
 //! ```text
-//!  validate ──► begin: insert the key ──► new: { look-ups, business rows, stored response } ──► commit, respond
-//!    │ 400        │   (one transaction)        └─ refused (unknown customer): rolled back with the key, 400
-//!    │ (nothing   ├─ exists, finished → the stored status and body, `Idempotent-Replayed: true`
-//!    │  stored)   ├─ exists, other parameters → 400 idempotency_error
-//!    │            └─ being run by another request → 409 idempotency_error / idempotency_key_in_use
-//!    └─ failure inside the transaction: rolled back with the key; a retry runs it afresh
+//!  validate ──► Store::run: claim ──new──► step: { hold, look-ups, business rows } ──► Finish(response): commit, respond
+//!    │ 400       (one transaction)            └─ refused (unknown customer): Halt, rolled back with the claim → 400
+//!    │ (nothing    ├─ finished → Replayed: the stored status and body, `Idempotent-Replayed: true`
+//!    │  stored)    ├─ other parameters → Mismatch: 400 idempotency_error
+//!    │             └─ being run by another request → InFlight: 409 idempotency_error / idempotency_key_in_use
+//!    └─ failure inside the step: rolled back with the claim; a retry runs it afresh (500)
 //! ```
 //!
 //! The key, the business rows (a charge, a customer) and the stored response commit in one
@@ -18,12 +18,24 @@
 //! the uncommitted insert for at most the connections' `lock_timeout` and is then answered 409,
 //! as Stripe answers a key in use. A charge row also carries its key's id under a UNIQUE
 //! constraint, so the database refuses a second charge for one key even if a lease were ever
-//! shared.
+//! shared. The run is detached from the client's connection (by the library, and by
+//! [`crate::state::run_detached`] around it): a client that hangs up does not stop a charge
+//! half way, and a fault may drop the connection after the charge commits ([`crate::faults`]).
 //!
 //! As with Stripe, a key with a stored result replays it before the request's references are
 //! looked up again; a request refused by validation (an unknown or deleted customer, found after
-//! the claim) keeps nothing, its key included, so that the key can be used again. The injected
-//! sticky 500s are stored like any result ([`crate::faults`]).
+//! the claim) keeps nothing, its key included, so that the key can be used again: the step halts
+//! and, the key being new, its claim rolls back with it. The injected sticky 500s are stored like
+//! any result ([`crate::faults`]).
+//!
+//! The workflow is made per request: it holds the request's validated operation and, for the
+//! handler, what the step did (a charge committed or not, a refusal's error object), which the
+//! library's [`Outcome`](idempotency::Outcome) does not carry. It needs no completer: a key of
+//! the gateway is never left unfinished (its claim commits only with its answer). A key that an
+//! earlier version left unfinished is taken over and run by the same step; refused, it is
+//! released rather than deleted (the library lets go of a key it took over, it does not forget
+//! it), so the same key with other parameters is then a 400 `idempotency_error` where Stripe
+//! would run it: a case the gateway of this version cannot create.
 //!
 //! Differences from Stripe, both deliberate: an internal failure of the fake itself (a database
 //! error) is not stored, so a retry can succeed; and keys are scoped per endpoint by the library,
@@ -31,34 +43,15 @@
 //!
 //! The fingerprint is taken over the decoded form parameters as a JSON object, so the order of
 //! the pairs in the body does not matter, but their values do (`amount=0100` is not `amount=100`).
-//!
-//! # Why not `Store::run`
-//!
-//! Stripe's semantics fit the library's one path: a request here is a one-step
-//! [`Workflow`](idempotency::Workflow) (the same key replays: `Outcome::Replayed`; other
-//! parameters: `Outcome::Mismatch`, 400; in flight: `Outcome::InFlight`, 409; a refusal halts the
-//! step and rolls the new key back with it; the run is detached, so a fault may drop the
-//! connection after the charge commits). Written that way, every fakestripe test passes. It is
-//! not used for one reason, its cost: [`Store::run`](idempotency::Store::run) claims with
-//! `Store::begin`, which reads the key in a statement of its own before the transaction that
-//! inserts it, so a new charge takes two transactions of the gateway's database where
-//! `begin_optimistic` (insert first, read only on a conflict) takes one. One transaction per
-//! charge is a target of docs/performance.md ("fakestripe: one transaction per charge"), checked
-//! by proving-ground's bench test (`gateway_transactions_per_request` rounds to 1), so that the
-//! benchmark measures the service, not its fake gateway. Measured with the move (that test, the
-//! debug builds): 2.0 gateway transactions per create, against 1.0 without it. The move waits
-//! for a way to ask `Store::run` to claim insert-first.
-//!
-//! The axum face fits less: `IdempotencyLayer` answers another payload under a key with a 422
-//! and a key in flight with a 409, both problem+json, where Stripe answers 400 and 409 with its
-//! own error object (`idempotency_error`), which Stripe's client libraries read; and it claims
-//! (`Store::claim`) in a transaction of its own before the handler's.
 
-use axum::response::Response;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
 use http::HeaderMap;
 use idempotency::{
-    Begun as Claimed, Claim, Fingerprint, FirstPhase, IdempotencyKey, Lease, NewRequest, Owner,
-    StoredResponse,
+    Advance, Halt, IdempotencyKey, OneStep, Outcome as Ran, Owner, Request, Step, StoredResponse,
+    Workflow,
 };
 use serde_json::Value;
 use sqlx::PgConnection;
@@ -72,10 +65,6 @@ use crate::Error;
 
 /// The request header, as Stripe names it.
 pub(crate) const IDEMPOTENCY_KEY: &str = "idempotency-key";
-
-/// A gateway request has a single phase (the charge and its stored response commit together),
-/// so its keys use the library's one-step points.
-pub(crate) type Point = idempotency::OneStep;
 
 /// The request's idempotency key, if it sent one.
 pub(crate) fn key_from_headers(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, ApiError> {
@@ -102,8 +91,30 @@ pub(crate) enum Operation {
     CreateCharge { charge: NewCharge, pending: bool },
 }
 
+/// What a charge waits for once its key is claimed and before its writes, inside its
+/// transaction: the tests' gate, then the injected latency (counted as `fault` when injected).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Hold {
+    /// The latency injected.
+    pub(crate) delay: Duration,
+    /// The fault the latency stands for, counted once the request runs.
+    pub(crate) fault: Option<FaultKind>,
+}
+
+impl Hold {
+    async fn wait(self, state: &AppState) {
+        state.pass_gate().await;
+        if let Some(kind) = self.fault {
+            state.record_fault(kind);
+        }
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+    }
+}
+
 /// The result of an operation that ran.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Outcome {
     /// The response, as stored with the key (if any) and delivered.
     pub(crate) response: StoredResponse,
@@ -136,11 +147,11 @@ impl From<idempotency::Error> for Failure {
     }
 }
 
-/// What a request may do after its claim.
+/// What a request came to.
 #[derive(Debug)]
-pub(crate) enum Begun {
-    /// Run the operation.
-    Run(Work),
+pub(crate) enum Done {
+    /// The operation ran in this request: its result, stored with the key if it has one.
+    Ran(Outcome),
     /// The key holds this result: replay it ([`idempotency_axum::replayed_response`]), unless an
     /// injected fault answers in its place (`idempotency_error_on_replay`, [`crate::faults`]).
     Replay(StoredResponse),
@@ -148,129 +159,155 @@ pub(crate) enum Begun {
     Answer(Response),
 }
 
-/// Where an operation runs.
+/// One `POST`, validated: whose, on which route, under which key, and what it does.
 #[derive(Debug)]
-pub(crate) enum Work {
-    /// The request has no key: a transaction of its own.
-    Unkeyed,
-    /// A new key, inserted in this open transaction: the operation joins it.
-    New(FirstPhase<Point>),
-    /// A key left unfinished by an earlier process, taken over: a final phase under the lease.
-    Resumed(Lease<Point>),
+pub(crate) struct Call {
+    /// The account the request authenticated as: the key's owner.
+    pub(crate) account_id: i64,
+    /// The route, as the key's scope names it.
+    pub(crate) route: &'static str,
+    /// The client's key, if it sent one.
+    pub(crate) key: Option<IdempotencyKey>,
+    /// The decoded form parameters: the fingerprint's payload.
+    pub(crate) params: Value,
+    /// What the request does.
+    pub(crate) op: Operation,
+    /// What is kept in place of the operation's own response (the injected sticky errors).
+    pub(crate) stored: Stored,
+    /// What the request waits for before its writes.
+    pub(crate) hold: Hold,
 }
 
-/// Claims the request's key, if it has one: one transaction that inserts it, left open for the
-/// operation when the key is new.
-pub(crate) async fn begin(
-    state: &AppState,
-    account_id: i64,
-    route: &str,
-    key: Option<&IdempotencyKey>,
-    params: &Value,
-) -> Result<Begun, ApiError> {
-    let Some(key) = key else {
-        return Ok(Begun::Run(Work::Unkeyed));
-    };
-    let owner = Owner::from(account_id);
-    let request = NewRequest {
-        owner: &owner,
-        method: "POST",
+/// Runs `call`: under its key as a one-step workflow of the library
+/// ([`Store::run`](idempotency::Store::run)), or without one in a transaction of its own.
+pub(crate) async fn run(state: &AppState, call: Call) -> Result<Done, ApiError> {
+    let Call {
+        account_id,
         route,
         key,
-        fingerprint: Fingerprint::of_json("POST", route, params),
         params,
+        op,
+        stored,
+        hold,
+    } = call;
+    let Some(key) = key else {
+        hold.wait(state).await;
+        return run_unkeyed(state, account_id, &op, stored)
+            .await
+            .map(Done::Ran);
     };
-    let claimed = state
+    let request = Arc::new(OneRequest {
+        state: state.clone(),
+        account_id,
+        route,
+        op,
+        stored,
+        hold,
+        result: Mutex::default(),
+    });
+    let ran = state
         .store()
-        .begin_optimistic::<Point>(request, Point::Started)
-        .await
-        .map_err(|e| ApiError::internal(&Error::from(e)))?;
-    let claim = match claimed {
-        Claimed::New(first) => return Ok(Begun::Run(Work::New(first))),
-        Claimed::Existing(claim) => claim,
-    };
-    Ok(match claim {
-        Claim::Acquired(lease) => Begun::Run(Work::Resumed(lease)),
-        Claim::Replay(stored) => Begun::Replay(stored),
-        Claim::Mismatch => Begun::Answer(axum::response::IntoResponse::into_response(
-            ApiError::idempotency_mismatch(key.as_str()),
+        .run(
+            &request,
+            Request::new(Owner::from(account_id), key.clone(), params),
+        )
+        .await;
+    let result = request
+        .result
+        .lock()
+        .expect("no step panics holding it")
+        .take();
+    match ran {
+        // The step that finished the key put its outcome here first.
+        Ran::Answered(response) => Ok(Done::Ran(match result {
+            Some(Ok(outcome)) => outcome,
+            Some(Err(_)) | None => Outcome {
+                response,
+                charged: false,
+                stored_server_error: false,
+            },
+        })),
+        Ran::Replayed(stored) => Ok(Done::Replay(stored)),
+        Ran::Mismatch => Ok(Done::Answer(
+            ApiError::idempotency_mismatch(key.as_str()).into_response(),
         )),
-        Claim::InFlight { .. } => Begun::Answer(axum::response::IntoResponse::into_response(
-            ApiError::idempotency_key_in_use(),
+        Ran::InFlight { .. } | Ran::Lost => Ok(Done::Answer(
+            ApiError::idempotency_key_in_use().into_response(),
         )),
-    })
-}
-
-/// Runs the operation and, under a key, keeps `stored` in the same transaction: its own
-/// response, or a 500 in its place (the injected sticky errors of [`crate::faults`]).
-pub(crate) async fn complete(
-    state: &AppState,
-    account_id: i64,
-    work: Work,
-    op: &Operation,
-    stored: Stored,
-) -> Result<Outcome, ApiError> {
-    match work {
-        Work::Unkeyed => {
-            let result = async {
-                let context = || format!("run a request of account {account_id} without a key");
-                let mut tx = state.pool().begin().await.map_err(Error::db(context()))?;
-                let outcome = execute(&mut tx, account_id, None, op, stored).await?;
-                tx.commit().await.map_err(Error::db(context()))?;
-                Ok::<_, Failure>(outcome)
-            };
-            result.await.map_err(|failure| answer(state, failure))
-        }
-        Work::New(mut first) => {
-            let key_id = first.lease().key_id();
-            let result = async {
-                let outcome = execute(first.conn(), account_id, Some(key_id), op, stored).await?;
-                first.finish(&outcome.response).await?;
-                Ok::<_, Failure>(outcome)
-            };
-            // On failure the transaction rolls back with the key: nothing is kept, and a retry
-            // (or another request with the key) runs afresh, as with Stripe.
-            result.await.map_err(|failure| answer(state, failure))
-        }
-        Work::Resumed(lease) => complete_resumed(state, account_id, lease, op, stored).await,
+        Ran::RetryLater { cause, .. } | Ran::Failed { cause } => match result {
+            Some(Err(refused @ Failure::Refused { .. })) => Err(answer(state, refused)),
+            Some(Err(Failure::Internal(error))) => Err(ApiError::internal(&error)),
+            Some(Ok(_)) | None => {
+                tracing::error!(%cause, "request failed");
+                Err(ApiError::server_error())
+            }
+        },
     }
 }
 
-/// The operation of a key that an earlier process left unfinished, in a final phase.
-async fn complete_resumed(
+/// A request without a key: its operation in a transaction of its own.
+async fn run_unkeyed(
     state: &AppState,
     account_id: i64,
-    mut lease: Lease<Point>,
     op: &Operation,
     stored: Stored,
 ) -> Result<Outcome, ApiError> {
-    let store = state.store();
     let result = async {
-        let mut phase = store.final_phase(&mut lease).await?;
-        let key_id = phase.key_id();
-        let outcome = execute(phase.conn(), account_id, Some(key_id), op, stored).await?;
-        phase.finish(&outcome.response).await?;
+        let context = || format!("run a request of account {account_id} without a key");
+        let mut tx = state.pool().begin().await.map_err(Error::db(context()))?;
+        let outcome = execute(&mut tx, account_id, None, op, stored).await?;
+        tx.commit().await.map_err(Error::db(context()))?;
         Ok::<_, Failure>(outcome)
+    };
+    result.await.map_err(|failure| answer(state, failure))
+}
+
+/// One keyed request, as the library's one-step workflow.
+struct OneRequest {
+    state: AppState,
+    account_id: i64,
+    route: &'static str,
+    op: Operation,
+    stored: Stored,
+    hold: Hold,
+    /// What the step did, for the handler: its outcome, or why it halted.
+    result: Mutex<Option<Result<Outcome, Failure>>>,
+}
+
+impl Workflow for OneRequest {
+    type Point = OneStep;
+
+    fn route(&self) -> &str {
+        self.route
     }
-    .await;
-    match result {
-        Ok(outcome) => Ok(outcome),
-        Err(refused @ Failure::Refused { .. }) => {
-            // The phase rolled back; the key goes too, so that nothing is kept for a refused
-            // request and the key may be used again, as with Stripe.
-            if let Err(e) = store.abandon(lease).await {
-                tracing::warn!(error = %e, "could not forget the key of a refused request");
-            }
-            Err(answer(state, refused))
+
+    /// A gateway's keys almost never repeat (a retry is the exception): the claim tries the
+    /// insert first, so a new charge is one transaction, the claim with the charge.
+    fn claims_insert_first(&self) -> bool {
+        true
+    }
+
+    async fn step(
+        &self,
+        point: OneStep,
+        step: &mut Step<'_, OneStep>,
+    ) -> Result<Advance<OneStep>, Halt> {
+        match point {
+            OneStep::Started => {}
+            OneStep::Finished => unreachable!("the driver never steps a finished key"),
         }
-        Err(Failure::Internal(error)) => {
-            // The phase rolled back. Free the key now rather than when the lease expires, so
-            // that the client's retry runs at once instead of getting 409s until then.
-            if let Err(release) = store.release(lease).await {
-                tracing::warn!(error = %release, "could not release an idempotency key");
-            }
-            Err(ApiError::internal(&error))
-        }
+        self.hold.wait(&self.state).await;
+        let key_id = step.key_id();
+        let conn = step.tx().await?;
+        let result = execute(conn, self.account_id, Some(key_id), &self.op, self.stored).await;
+        let next = match &result {
+            Ok(outcome) => Ok(Advance::Finish(outcome.response.clone())),
+            // Rolled back with the claim of a new key: nothing is kept, as with Stripe.
+            Err(Failure::Refused { .. }) => Err(Halt::retry("the request was refused")),
+            Err(Failure::Internal(error)) => Err(Halt::retry(error)),
+        };
+        *self.result.lock().expect("no step panics holding it") = Some(result);
+        next
     }
 }
 
