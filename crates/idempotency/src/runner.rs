@@ -187,12 +187,6 @@ impl Completer {
         Ok(self)
     }
 
-    /// [`Completer::grace`], under the name it had before it was the only way to set a grace.
-    #[doc(hidden)]
-    pub fn try_grace(self, grace: Duration) -> Result<Self, Error> {
-        self.grace(grace)
-    }
-
     /// The most keys one pass claims (at least one).
     pub fn batch(mut self, keys: usize) -> Self {
         self.batch = keys.max(1);
