@@ -11,26 +11,12 @@ cd "$(dirname "$0")/.."
 SCRIPT=chaos
 
 # `--ha patroni` runs the service's database in a Patroni cluster behind HAProxy: Patroni, etcd
-# and HAProxy are installed with apt-get where missing (root only), and only when asked for.
-ensure_patroni() {
-    local missing=() program
-    for program in patroni:patroni etcd:etcd-server haproxy:haproxy; do
-        command -v "${program%%:*}" >/dev/null 2>&1 || missing+=("${program#*:}")
-    done
-    [[ ${#missing[@]} -eq 0 ]] && return 0
-    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-        log "--ha patroni: installing ${missing[*]} with apt-get"
-        apt-get update >&2 || die "apt-get update failed"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" >&2 ||
-            die "apt-get install ${missing[*]} failed"
-    else
-        die "--ha patroni needs ${missing[*]} (Debian: apt-get install -y ${missing[*]}, as root)"
-    fi
-}
+# and HAProxy are installed with apt-get where missing (root only, scripts/patroni-install.sh),
+# and only when asked for.
 previous=
 for arg in "$@"; do
     if [[ $arg == --ha=patroni || ($previous == --ha && $arg == patroni) ]]; then
-        ensure_patroni
+        scripts/patroni-install.sh
     fi
     previous=$arg
 done

@@ -8,7 +8,8 @@
 #                             PgBouncer and Patroni, and the benchmark's end-to-end tests
 #                             (.config/nextest.toml, profile `fast`).
 #   scripts/test.sh --heavy   every test of the workspace, those included (what CI's test step
-#                             runs), without the seeded chaos run: CI runs three of its own.
+#                             runs; it installs Patroni, etcd and HAProxy where missing, as
+#                             root), without the seeded chaos run: CI runs two of its own.
 #   scripts/test.sh --full    everything CI runs (.ci/run): formatting, lints, docs, packages, the
 #                             scripts' checks, the chaos runs, --heavy, the benchmark.
 #
@@ -44,6 +45,13 @@ if ! cargo nextest --version >/dev/null 2>&1; then
     cargo install --locked cargo-nextest || die "cargo install cargo-nextest failed"
 fi
 ensure_python3
+
+# The heavy tier's runs under Patroni need Patroni, etcd and HAProxy: installed where missing
+# (root only). Where they cannot be, those tests say they are skipped, except under CI
+# (CI=true), where they fail.
+if [[ $profile == default ]] && ! scripts/patroni-install.sh; then
+    log "Patroni, etcd or HAProxy is missing: the tests under Patroni will be skipped"
+fi
 
 # The chaos harness's tests make PostgreSQL clusters of their own: the server binaries too.
 DATABASE_URL=$(scripts/postgres.sh --server-binaries)

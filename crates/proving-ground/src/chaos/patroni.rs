@@ -11,7 +11,9 @@
 //!                                                                     standby
 //! ```
 //!
-//! Everything listens on 127.0.0.1 on ports found free; the data lives under the run's cluster
+//! Everything listens on 127.0.0.1 on ports found free outside the kernel's ephemeral range
+//! ([`crate::local::free_port`]: the standby's ports wait seconds for their process, and a test
+//! beside the run must not be handed them meanwhile); the data lives under the run's cluster
 //! directory and the logs in its report directory. Dropping a [`Patroni`] kills every process it
 //! started (an error or a panic must not leave a postmaster behind), as [`super::cluster`] does.
 //! As root, the agents (and so PostgreSQL) run as `postgres`.
@@ -34,8 +36,12 @@ use super::cluster;
 const TTL_SECS: u32 = 10;
 const LOOP_WAIT_SECS: u32 = 2;
 const RETRY_TIMEOUT_SECS: u32 = 4;
-/// How long the cluster may take to come up (bootstrap, base backup, the standby synchronous).
-const SETUP_WAIT: Duration = Duration::from_secs(90);
+/// How long one attempt at the cluster may take to come up (bootstrap, base backup, the standby
+/// streaming): about ten seconds on two loaded cores, so six times that means something is
+/// broken, and [`Patroni::start`] makes one fresh attempt (new ports, new directories).
+const SETUP_WAIT: Duration = Duration::from_secs(60);
+/// How many attempts [`Patroni::start`] makes.
+const SETUP_ATTEMPTS: u32 = 2;
 /// How long a switchover may be refused (no synchronous standby named yet) before it fails.
 const SWITCHOVER_WAIT: Duration = Duration::from_secs(20);
 /// The nodes' names, in Patroni and in HAProxy.
@@ -86,7 +92,45 @@ impl Node {
 impl Patroni {
     /// Starts etcd, both agents and HAProxy under `root` (logs in `logs`), and waits until one
     /// node leads and the other streams from it (as its synchronous standby when `synchronous`).
+    ///
+    /// An attempt that is not healthy within [`SETUP_WAIT`] is stopped, its logs kept beside
+    /// the next ones (`patroni-node1.attempt-1.log`, …), what it lacked printed, and a fresh
+    /// cluster started, [`SETUP_ATTEMPTS`] times at most. Nothing of the run has happened yet
+    /// (no request, no fault): a cluster that never came up is the machine's trouble, not a
+    /// finding, and the next run must not inherit it.
     pub(crate) async fn start(root: &Path, logs: &Path, synchronous: bool) -> anyhow::Result<Self> {
+        let mut attempt = 1;
+        loop {
+            let dir = if attempt == 1 {
+                root.to_owned()
+            } else {
+                root.with_file_name(format!(
+                    "{}-attempt-{attempt}",
+                    root.file_name().unwrap_or_default().to_string_lossy()
+                ))
+            };
+            match Self::start_once(&dir, logs, synchronous).await {
+                Ok(this) => return Ok(this),
+                Err(e) if attempt < SETUP_ATTEMPTS => {
+                    eprintln!(
+                        "chaos: Patroni attempt {attempt} failed, starting a fresh cluster: {e:#}"
+                    );
+                    let _ = std::fs::remove_dir_all(&dir);
+                    for file in ["etcd", "haproxy", "patroni-node0", "patroni-node1"] {
+                        let _ = std::fs::rename(
+                            logs.join(format!("{file}.log")),
+                            logs.join(format!("{file}.attempt-{attempt}.log")),
+                        );
+                    }
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One attempt of [`Patroni::start`].
+    async fn start_once(root: &Path, logs: &Path, synchronous: bool) -> anyhow::Result<Self> {
         for program in ["patroni", "etcd", "haproxy"] {
             anyhow::ensure!(
                 which(program).is_some(),
@@ -159,15 +203,17 @@ impl Patroni {
         this.start_agent(0)?;
         let started = Instant::now();
         while this.leader().await.is_none() {
-            anyhow::ensure!(
-                started.elapsed() < SETUP_WAIT,
-                "no Patroni leader after {SETUP_WAIT:?} (see {})",
-                this.nodes[0].log.display()
-            );
+            if started.elapsed() >= SETUP_WAIT {
+                anyhow::bail!(
+                    "no Patroni leader after {SETUP_WAIT:?}; {}",
+                    this.diagnosis().await
+                );
+            }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
         this.start_agent(1)?;
-        this.wait_healthy(SETUP_WAIT).await?;
+        this.wait_healthy(SETUP_WAIT.saturating_sub(started.elapsed()))
+            .await?;
         Ok(this)
     }
 
@@ -278,14 +324,59 @@ impl Patroni {
             if let Some(leader) = self.healthy().await {
                 return Ok(leader);
             }
-            anyhow::ensure!(
-                started.elapsed() < limit,
-                "the Patroni cluster is not healthy (a leader and a streaming {}standby) after \
-                 {limit:?}; see the patroni-*.log files",
-                if self.synchronous { "synchronous " } else { "" }
-            );
+            if started.elapsed() >= limit {
+                anyhow::bail!(
+                    "the Patroni cluster is not healthy (a leader and a streaming {}standby) \
+                     after {limit:?}; {}",
+                    if self.synchronous { "synchronous " } else { "" },
+                    self.diagnosis().await
+                );
+            }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// What an unhealthy cluster lacks, for an error: each node's role and state as its agent
+    /// reports them (or that it does not answer), and the last lines of its log that say
+    /// something went wrong (a port already in use, a failed base backup, …).
+    async fn diagnosis(&self) -> String {
+        let mut text = String::new();
+        for node in &self.nodes {
+            let state = match self.http.get(node.rest("/patroni")).send().await {
+                Ok(response) => {
+                    let text = response.text().await.unwrap_or_default();
+                    let body: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+                    format!("role {}, state {}", body["role"], body["state"])
+                }
+                Err(e) => format!("its agent does not answer ({e})"),
+            };
+            let log = std::fs::read_to_string(&node.log).unwrap_or_default();
+            let trouble: Vec<&str> = log
+                .lines()
+                .filter(|line| {
+                    [
+                        "FATAL",
+                        "ERROR",
+                        "PANIC",
+                        "Address already in use",
+                        "failed",
+                    ]
+                    .iter()
+                    .any(|word| line.contains(word))
+                        && !line.contains("the database system is starting up")
+                })
+                .collect();
+            let last = &trouble[trouble.len().saturating_sub(3)..];
+            text.push_str(&format!(
+                "{} (PostgreSQL port {}, REST port {}): {state}; last trouble in {}: {:?}. ",
+                node.name,
+                node.pg_port,
+                node.rest_port,
+                node.log.display(),
+                last
+            ));
+        }
+        text
     }
 
     /// A planned switchover away from `leader`, through its REST API; Patroni answers once

@@ -33,8 +33,9 @@ pub(crate) const STRADDLE_HOLD: Duration = Duration::from_millis(8_500);
 /// Requests whose charge straddles its key's window, each of a user of its own: several, since
 /// a process killed under one (its lease then outlives the charge) spoils it.
 const STRADDLES: usize = 6;
-/// How long setting up the run's PostgreSQL (a cluster, a standby) may take.
-const SETUP_LIMIT: Duration = Duration::from_secs(120);
+/// How long setting up the run's PostgreSQL (a cluster, a standby) may take: room for the
+/// Patroni cluster's two attempts of a minute each (chaos/patroni.rs).
+const SETUP_LIMIT: Duration = Duration::from_secs(150);
 
 /// What every task of the run shares.
 pub(crate) struct Stack {

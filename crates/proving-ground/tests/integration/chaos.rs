@@ -346,7 +346,8 @@ fn taking_an_intermediarys_page_for_a_refusal_is_caught() {
 }
 
 /// Whether the Patroni pieces are installed; when they are not, a test of `--ha patroni` is
-/// skipped with a message, except under CI (`CI=true`), where it must run.
+/// skipped with a message, except under CI (`CI=true`), where it must run
+/// (`scripts/test.sh --heavy` installs them, with scripts/patroni-install.sh).
 fn patroni_installed(test: &str) -> bool {
     let found = ["patroni", "etcd", "haproxy"].iter().all(|program| {
         std::env::var_os("PATH").is_some_and(|paths| {
@@ -357,11 +358,11 @@ fn patroni_installed(test: &str) -> bool {
         assert!(
             std::env::var("CI").as_deref() != Ok("true"),
             "{test}: patroni, etcd or haproxy is not installed, and CI must run this test \
-             (scripts/chaos.sh --ha patroni installs them)"
+             (scripts/test.sh --heavy and scripts/chaos.sh --ha patroni install them)"
         );
         eprintln!(
             "{test}: SKIPPED: patroni, etcd or haproxy is not installed (Debian: apt-get \
-             install -y patroni etcd-server haproxy, or scripts/chaos.sh --ha patroni)"
+             install -y patroni etcd-server haproxy, or scripts/patroni-install.sh)"
         );
     }
     found
@@ -372,7 +373,8 @@ fn under_patroni_every_fault_strikes_and_the_audit_passes() {
     if !patroni_installed("under_patroni_every_fault_strikes_and_the_audit_passes") {
         return;
     }
-    // As CI's run (.ci/run, seed 42), with another seed.
+    // The only run of this scenario in CI (.ci/run's test step): it used to run once more, on
+    // seed 42, as a step of its own.
     let (status, report) = run(
         "patroni",
         &["--requests", "600", "--seed", "7", "--ha", "patroni"],
