@@ -13,7 +13,7 @@ use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -189,12 +189,12 @@ async fn synchronous(admin: &PgPool, on: bool) {
     panic!("synchronous_standby_names never became {names:?}");
 }
 
-/// Cancels every wait for the synchronous standby, every 10 ms, until stopped; counts them.
-fn cancel_waits(admin: PgPool) -> (Arc<AtomicBool>, Arc<AtomicU64>) {
+/// Cancels every wait for the synchronous standby, every 10 ms, until [`Canceller::stop`].
+fn cancel_waits(admin: PgPool) -> Canceller {
     let stop = Arc::new(AtomicBool::new(false));
-    let cancelled = Arc::new(AtomicU64::new(0));
-    let (until, count) = (stop.clone(), cancelled.clone());
-    tokio::spawn(async move {
+    let until = stop.clone();
+    let task = tokio::spawn(async move {
+        let mut cancelled = 0;
         while !until.load(Ordering::Relaxed) {
             let n: i64 = sqlx::query_scalar(
                 "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) FROM pg_stat_activity \
@@ -203,11 +203,30 @@ fn cancel_waits(admin: PgPool) -> (Arc<AtomicBool>, Arc<AtomicU64>) {
             .fetch_one(&admin)
             .await
             .unwrap();
-            count.fetch_add(n as u64, Ordering::Relaxed);
+            cancelled += n as u64;
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        cancelled
     });
-    (stop, cancelled)
+    Canceller { stop, task }
+}
+
+/// The task of [`cancel_waits`].
+struct Canceller {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<u64>,
+}
+
+impl Canceller {
+    /// Stops the cancels and returns how many waits they cancelled, the last one's included:
+    /// the cancelled statement's answer can arrive before the cancel's own, so the count is
+    /// read once the task has ended, never while it may still be adding to it.
+    async fn stop(self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task
+            .await
+            .expect("the canceller ends without panicking")
+    }
 }
 
 /// Where the first wait for the standby happens.
@@ -255,7 +274,7 @@ async fn book_with_cancelled_waits(
     let cluster = Cluster::start(name)?;
     let (admin, app) = service_on(&cluster).await;
     let (user_id, api_key) = app.user("sync@example.com", "tok_visa").await;
-    let (stop, cancelled) = cancel_waits(admin.clone());
+    let canceller = cancel_waits(admin.clone());
     let reply = match from {
         WaitsFrom::FirstPhase => {
             synchronous(&admin, true).await;
@@ -274,8 +293,7 @@ async fn book_with_cancelled_waits(
             reply
         }
     };
-    stop.store(true, Ordering::Relaxed);
-    let cancelled = cancelled.load(Ordering::Relaxed);
+    let cancelled = canceller.stop().await;
     let run = Run {
         app,
         admin,
@@ -424,10 +442,9 @@ async fn a_statement_timeout_does_not_end_a_wait_for_the_standby() {
         waiting, 1,
         "five times its statement_timeout on, the insert still waits"
     );
-    let (stop, cancelled) = cancel_waits(admin.clone());
+    let canceller = cancel_waits(admin.clone());
     let (done, _conn) = insert.await.unwrap();
-    stop.store(true, Ordering::Relaxed);
-    assert!(cancelled.load(Ordering::Relaxed) > 0);
+    assert!(canceller.stop().await > 0);
     // Cancelled, the wait ends with a success: the row is there.
     done.unwrap();
     synchronous(&admin, false).await;
@@ -495,15 +512,12 @@ async fn a_rotation_whose_wait_for_the_standby_is_cancelled_is_not_acknowledged(
     };
     let (admin, app) = service_on(&cluster).await;
     app.user("rot@example.com", "tok_visa").await;
-    let (stop, cancelled) = cancel_waits(admin.clone());
+    let canceller = cancel_waits(admin.clone());
     synchronous(&admin, true).await;
     let rotated = rocket_rides::users::rotate_api_key(&app.state.store, "rot@example.com").await;
-    stop.store(true, Ordering::Relaxed);
+    let cancelled = canceller.stop().await;
     synchronous(&admin, false).await;
-    assert!(
-        cancelled.load(Ordering::Relaxed) > 0,
-        "no wait was cancelled"
-    );
+    assert!(cancelled > 0, "no wait was cancelled");
     assert!(
         matches!(
             rotated,
