@@ -43,9 +43,9 @@ pub const AFTER_FINISHED: &str = "after_finished";
 /// In the outbox drain, after a receipt was written and before its job is deleted.
 pub const AFTER_RECEIPT_EFFECT: &str = "after_receipt_effect";
 
-/// Where a booking stands still, if a test armed it ([`Failpoints::stand_still_at`]): after the
-/// charge step read its ride (`ChargeTarget::load`: a new key's right after the step that created
-/// it, or a taken-over key's), before it uses it.
+/// Where a booking stands still, if a test armed it ([`Failpoints::stand_still_at`]): once the
+/// charge step has its ride (a new key's as the step that created it handed it on, a taken-over
+/// key's read by `ChargeTarget::load`), before it uses it.
 pub const AFTER_RIDE_LOADED: &str = "after_ride_loaded";
 /// Where a booking stands still, if a test armed it: after a gateway call's record was
 /// written (`record_attempt`), before the call leaves.
