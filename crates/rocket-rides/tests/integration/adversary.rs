@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::front::FrontAnswer;
 use common::{TestApp, RIDE};
 use fakestripe::{Faults, Scripted};
-use rocket_rides::config::{GatewayArgs, LeaseArgs, WorkerArgs, DEFAULT_GATEWAY_PROCESSING_BOUND};
+use rocket_rides::config::{WorkerArgs, DEFAULT_GATEWAY_PROCESSING_BOUND};
 use rocket_rides::problem::types;
 use rocket_rides::worker::completer;
 use sqlx::PgPool;
@@ -252,20 +252,8 @@ async fn defended_an_intermediary_json_error_on_a_resumed_call_is_reconciled_and
 async fn fixed_a_call_the_previous_version_has_in_flight_is_not_waited_for_past_the_window(
     pool: PgPool,
 ) {
-    // Short limits at the floor the settings allow.
-    let gateway = GatewayArgs {
-        gateway_timeout: Duration::from_secs(1),
-        gateway_connect_timeout: Duration::from_secs(1),
-        gateway_processing_bound: Duration::from_secs(3),
-        gateway_key_window: Duration::from_secs(20),
-        ..Default::default()
-    };
-    let lease = LeaseArgs {
-        lease_ttl: Duration::from_secs(6),
-        lease_heartbeat: Duration::from_secs(2),
-    };
-    let app = TestApp::start_with_lease(pool, gateway, lease).await;
-    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // Short limits at the floor the settings allow (common::TestApp::start_short_limits).
+    let (app, user_id, api_key) = TestApp::start_short_limits(pool).await;
     // A call under generation 1 that the gateway takes 2.5 s to make (within the 3 s bound):
     // our side gives up after 1 s.
     let customer = common::customer(&app, user_id).await;

@@ -8,31 +8,12 @@ use std::time::Duration;
 
 use common::{TestApp, RIDE};
 use fakestripe::Faults;
-use rocket_rides::config::{GatewayArgs, LeaseArgs};
 use rocket_rides::failpoints::AFTER_CALL_RECORDED;
 use sqlx::PgPool;
 
-/// A 20 s key window, a 6 s lease renewed every 2 s, a 3 s processing bound.
-async fn short_limits(pool: PgPool) -> (TestApp, i64, String) {
-    let gateway = GatewayArgs {
-        gateway_timeout: Duration::from_secs(1),
-        gateway_connect_timeout: Duration::from_secs(1),
-        gateway_processing_bound: Duration::from_secs(3),
-        gateway_key_window: Duration::from_secs(20),
-        ..Default::default()
-    };
-    let lease = LeaseArgs {
-        lease_ttl: Duration::from_secs(6),
-        lease_heartbeat: Duration::from_secs(2),
-    };
-    let app = TestApp::start_with_lease(pool, gateway, lease).await;
-    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    (app, user_id, api_key)
-}
-
 #[testdb::test(template = crate::common::migrated)]
 async fn a_holder_paused_after_its_record_whose_key_was_taken_over_sends_nothing(pool: PgPool) {
-    let (app, user_id, api_key) = short_limits(pool).await;
+    let (app, user_id, api_key) = TestApp::start_short_limits(pool).await;
     // The first attempt fails before the gateway charges: the ride waits at its charge.
     app.set_faults(Faults {
         fail_before_charge: 1.0,

@@ -11,9 +11,7 @@ use std::time::Duration;
 use common::front::FrontAnswer;
 use common::{TestApp, RIDE};
 use fakestripe::Faults;
-use rocket_rides::config::{
-    GatewayArgs, LeaseArgs, DEFAULT_GATEWAY_PROCESSING_BOUND, DEFAULT_LEASE_HEARTBEAT,
-};
+use rocket_rides::config::{DEFAULT_GATEWAY_PROCESSING_BOUND, DEFAULT_LEASE_HEARTBEAT};
 use rocket_rides::problem::types;
 use sqlx::PgPool;
 
@@ -29,21 +27,8 @@ const NO_SUCH_CUSTOMER: &str = r#"{"error":{"type":"invalid_request_error","code
 async fn a_charge_still_running_one_second_after_the_window_is_waited_for_then_adopted(
     pool: PgPool,
 ) {
-    // Short limits at the floor the settings allow: a 20 s window for a 1 s gateway timeout,
-    // a 6 s lease and a 3 s processing bound.
-    let gateway = GatewayArgs {
-        gateway_timeout: Duration::from_secs(1),
-        gateway_connect_timeout: Duration::from_secs(1),
-        gateway_processing_bound: Duration::from_secs(3),
-        gateway_key_window: Duration::from_secs(20),
-        ..Default::default()
-    };
-    let lease = LeaseArgs {
-        lease_ttl: Duration::from_secs(6),
-        lease_heartbeat: Duration::from_secs(2),
-    };
-    let app = TestApp::start_with_lease(pool, gateway, lease).await;
-    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // Short limits at the floor the settings allow (common::TestApp::start_short_limits).
+    let (app, user_id, api_key) = TestApp::start_short_limits(pool).await;
 
     // The first attempt fails before the gateway charges.
     app.set_faults(Faults {

@@ -10,33 +10,12 @@ use std::time::Duration;
 
 use common::{TestApp, RIDE};
 use fakestripe::Faults;
-use rocket_rides::config::{GatewayArgs, LeaseArgs};
 use rocket_rides::failpoints::{AFTER_CALL_RECORDED, AFTER_RIDE_LOADED};
 use rocket_rides::problem::types;
 use sqlx::PgPool;
 
-/// The shortest limits the settings allow: a 20 s window for a 1 s gateway timeout, a 6 s lease
-/// renewed every 2 s, and a 3 s processing bound.
-async fn short_limits(pool: PgPool) -> (TestApp, i64, String) {
-    let gateway = GatewayArgs {
-        gateway_timeout: Duration::from_secs(1),
-        gateway_connect_timeout: Duration::from_secs(1),
-        gateway_processing_bound: Duration::from_secs(3),
-        gateway_key_window: WINDOW,
-        ..Default::default()
-    };
-    let lease = LeaseArgs {
-        lease_ttl: Duration::from_secs(6),
-        lease_heartbeat: HEARTBEAT,
-    };
-    let app = TestApp::start_with_lease(pool, gateway, lease).await;
-    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
-    (app, user_id, api_key)
-}
-
 const ADOPTED: &str = "gateway_reconciliations_total{outcome=\"adopted\"}";
-const WINDOW: Duration = Duration::from_secs(20);
-const HEARTBEAT: Duration = Duration::from_secs(2);
+const WINDOW: Duration = common::SHORT_KEY_WINDOW;
 
 /// `POST /rides` under `k-1`, on a task of its own, so that the test can act while the
 /// booking stands still.
@@ -55,7 +34,7 @@ fn post_in_background(app: &TestApp, api_key: &str) -> tokio::task::JoinHandle<c
 
 #[testdb::test(template = crate::common::migrated)]
 async fn a_call_that_stood_still_after_its_record_is_recorded_again_before_it_leaves(pool: PgPool) {
-    let (app, user_id, api_key) = short_limits(pool).await;
+    let (app, user_id, api_key) = TestApp::start_short_limits(pool).await;
     // The first attempt fails before the gateway charges: generation 1 began at t = 0.
     app.set_faults(Faults {
         fail_before_charge: 1.0,
@@ -111,7 +90,7 @@ async fn a_call_that_stood_still_after_its_record_is_recorded_again_before_it_le
 async fn a_holder_that_stood_still_after_reading_its_ride_past_the_window_reconciles_instead_of_calling(
     pool: PgPool,
 ) {
-    let (app, user_id, api_key) = short_limits(pool).await;
+    let (app, user_id, api_key) = TestApp::start_short_limits(pool).await;
     // The first attempt charges, and its answer is lost.
     app.set_faults(Faults {
         drop_after_charge: 1.0,

@@ -157,6 +157,11 @@ pub async fn migrated(pool: PgPool) {
         .await;
 }
 
+/// The gateway key window of [`TestApp::start_short_limits`]: the floor the settings allow.
+pub const SHORT_KEY_WINDOW: Duration = Duration::from_secs(20);
+/// The lease heartbeat of [`TestApp::start_short_limits`].
+pub const SHORT_HEARTBEAT: Duration = Duration::from_secs(2);
+
 impl TestApp {
     /// Starts both servers over the test's fresh database.
     pub async fn start(pool: PgPool) -> Self {
@@ -173,6 +178,27 @@ impl TestApp {
             },
         )
         .await
+    }
+
+    /// Starts both servers with the shortest limits the settings allow
+    /// ([`SHORT_KEY_WINDOW`] for a 1 s gateway timeout, a 6 s lease renewed every
+    /// [`SHORT_HEARTBEAT`], a 3 s processing bound), and makes a rider with a good card;
+    /// returns the app, the rider's id and API key.
+    pub async fn start_short_limits(pool: PgPool) -> (Self, i64, String) {
+        let gateway = GatewayArgs {
+            gateway_timeout: Duration::from_secs(1),
+            gateway_connect_timeout: Duration::from_secs(1),
+            gateway_processing_bound: Duration::from_secs(3),
+            gateway_key_window: SHORT_KEY_WINDOW,
+            ..Default::default()
+        };
+        let lease = LeaseArgs {
+            lease_ttl: Duration::from_secs(6),
+            lease_heartbeat: SHORT_HEARTBEAT,
+        };
+        let app = Self::start_with_lease(pool, gateway, lease).await;
+        let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+        (app, user_id, api_key)
     }
 
     pub async fn start_with_lease(
