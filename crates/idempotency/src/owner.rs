@@ -13,6 +13,11 @@ pub const MAX_OWNER_LEN: usize = 128;
 /// `From`, in their decimal form, so that an application whose users are numbered writes
 /// `Owner::from(user.id)` and a foreign key from its own rows can compare `user_id::text`.
 ///
+/// On Citus the key tables are distributed by the owner; an application's rows share a node
+/// with their keys when they carry the same text in a column of their own, distributed by it and
+/// colocated with `idempotency_keys` ([`crate::store`] lists what that column
+/// needs).
+///
 /// ```
 /// use idempotency::Owner;
 ///

@@ -60,6 +60,9 @@ pub enum MigrateError {
     /// The service's own migrations.
     #[error("apply the rocket-rides migrations: {0}")]
     Service(#[from] sqlx::migrate::MigrateError),
+    /// The backfill that follows them ([`fill_key_owners`]).
+    #[error("fill key_owner of the rows from before 20261206100001: {0}")]
+    Fill(#[from] sqlx::Error),
 }
 
 /// Applies the idempotency crate's migrations and the service's own, in the order of their
@@ -71,6 +74,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
     // The crate keeps its own bookkeeping, and moves the entries that earlier versions left in
     // sqlx's table to it: sqlx's table holds only the service's migrations.
     idempotency::migrate_online(pool, &migrator(), &online::plans()).await?;
+    fill_key_owners(pool).await?;
     Ok(())
 }
 
@@ -83,6 +87,50 @@ pub fn migrator() -> sqlx::migrate::Migrator {
 /// its plans are compared against (`tests/integration/online_plans.rs`).
 pub async fn migrate_from_files(pool: &PgPool) -> Result<(), MigrateError> {
     idempotency::migrate_with_files(pool, &migrator()).await?;
+    fill_key_owners(pool).await?;
+    Ok(())
+}
+
+/// The tables that got `key_owner` from 20261206100001, with the column their batches run over.
+pub(crate) const KEY_OWNER_FILLED: [(&str, &str); 3] = [
+    ("audit_records", "id"),
+    ("staged_jobs", "id"),
+    ("ride_receipts", "ride_id"),
+];
+
+/// Fills `key_owner` of the rows written before 20261206100001 (its trigger fills the rows an
+/// earlier version writes since), in ranges of [`idempotency::BACKFILL_BATCH`] ids, each its
+/// own transaction: a rerun, or two migrators at once, fill only what is still empty. The
+/// service's statements compare `key_owner`, so this runs before the new version starts: it is
+/// part of `migrate`.
+pub async fn fill_key_owners(pool: &PgPool) -> Result<(), sqlx::Error> {
+    // One connection, each statement its own transaction: the migrations' URL is a direct one
+    // (never a transaction pooler), where an autocommit statement is safe.
+    let mut conn = pool.acquire().await?;
+    for (table, id) in KEY_OWNER_FILLED {
+        let (from, to): (Option<i64>, Option<i64>) = sqlx::query_as(&format!(
+            "SELECT min({id}), max({id}) FROM {table} WHERE key_owner IS NULL"
+        ))
+        .persistent(false)
+        .fetch_one(&mut *conn)
+        .await?;
+        let (Some(mut from), Some(to)) = (from, to) else {
+            continue;
+        };
+        while from <= to {
+            let next = from.saturating_add(idempotency::BACKFILL_BATCH);
+            sqlx::query(&format!(
+                "UPDATE {table} SET key_owner = user_id::text
+                 WHERE {id} >= $1 AND {id} < $2 AND key_owner IS NULL"
+            ))
+            .bind(from)
+            .bind(next)
+            .persistent(false)
+            .execute(&mut *conn)
+            .await?;
+            from = next;
+        }
+    }
     Ok(())
 }
 

@@ -220,7 +220,7 @@ impl RideView {
         key_id: i64,
     ) -> Result<Option<Self>, sqlx::Error> {
         sqlx::query_as(&format!(
-            "SELECT {RIDE_COLUMNS} FROM rides WHERE user_id = $1 AND idempotency_key_id = $2"
+            "SELECT {RIDE_COLUMNS} FROM rides WHERE user_id = $1 AND key_owner = $1::text AND idempotency_key_id = $2"
         ))
         .bind(user_id)
         .bind(key_id)
@@ -237,7 +237,7 @@ impl RideView {
         ride_id: i64,
     ) -> Result<Option<Self>, sqlx::Error> {
         sqlx::query_as(&format!(
-            "SELECT {RIDE_COLUMNS} FROM rides WHERE user_id = $1 AND id = $2"
+            "SELECT {RIDE_COLUMNS} FROM rides WHERE user_id = $1 AND key_owner = $1::text AND id = $2"
         ))
         .bind(user_id)
         .bind(ride_id)

@@ -145,19 +145,19 @@ impl Store {
                     }
                 }
                 Found::Absent => {
-                    // Before BEGIN, if there is one: the insert's `now()` is then the
-                    // transaction's start.
+                    // The key and its row of idempotency_keys_unfinished: two statements, one
+                    // transaction. Before BEGIN: the insert's `now()` is the transaction's
+                    // start.
                     let asked_at = self.lease_clock();
-                    let mut db = self
-                        .autocommit()
-                        .await
-                        .map_err(Error::db(claim_context(&req)))?;
+                    let mut tx = self.begin_tx(&req).await?;
                     match self
-                        .insert(&req, P::STARTED, true, db.conn(), asked_at)
+                        .insert(&req, P::STARTED, true, &mut tx, asked_at)
                         .await?
                     {
                         Inserted::Row(lease) => {
-                            db.confirmed(claim_context(&req)).await?;
+                            let (committed, cancelled) = watched(tx.commit()).await;
+                            committed.map_err(Error::db(claim_context(&req)))?;
+                            unless_cancelled(cancelled, claim_context(&req))?;
                             return Ok(Claim::Acquired(lease));
                         }
                         Inserted::Conflict => {}
@@ -495,8 +495,9 @@ impl Store {
     }
 
     /// Inserts the key at `point` with token 1, unless it exists. `track` also inserts its row
-    /// of `idempotency_keys_unfinished` in the same statement; without it, whoever commits the
-    /// key unfinished must add that row first ([`FirstPhase::commit`] does).
+    /// of `idempotency_keys_unfinished`, by a second statement: `conn` must then be in a
+    /// transaction, so that both commit or neither. Without it, whoever commits the key
+    /// unfinished must add that row first ([`FirstPhase::commit`] does).
     async fn insert<P: RecoveryPoint>(
         &self,
         req: &NewRequest<'_>,
@@ -507,23 +508,14 @@ impl Store {
     ) -> Result<Inserted<P>, Error> {
         let timed = self.timed(
             r#"
-            WITH inserted AS (
-                INSERT INTO idempotency_keys
-                    (owner, request_method, request_path, idempotency_key, fingerprint,
-                     request_params, recovery_point, locked_until, created_at, last_run_at)
-                VALUES ($1, $2, $3, $4, $5, $6, $7,
-                        $now + $8 * interval '1 millisecond',
-                        $now, $now)
-                ON CONFLICT (owner, request_method, request_path, idempotency_key) DO NOTHING
-                RETURNING owner, id, request_uuid, request_method, request_path, created_at,
-                          locked_until
-            ), tracked AS (
-                INSERT INTO idempotency_keys_unfinished
-                    (owner, key_id, request_method, request_path, created_at)
-                SELECT owner, id, request_method, request_path, created_at
-                FROM inserted WHERE $9
-            )
-            SELECT id, request_uuid, locked_until FROM inserted
+            INSERT INTO idempotency_keys
+                (owner, request_method, request_path, idempotency_key, fingerprint,
+                 request_params, recovery_point, locked_until, created_at, last_run_at)
+            VALUES ($1, $2, $3, $4, $5, $6, $7,
+                    $now + $8 * interval '1 millisecond',
+                    $now, $now)
+            ON CONFLICT (owner, request_method, request_path, idempotency_key) DO NOTHING
+            RETURNING id, request_uuid, locked_until, created_at
             "#,
         );
         let row = sqlx::query(timed.sql())
@@ -535,13 +527,12 @@ impl Store {
             .bind(Json(req.params))
             .bind(point.name())
             .bind(self.ttl_millis())
-            .bind(track)
             .bind_now(&timed)
             .persistent(self.persistent())
             .fetch_optional(&mut *conn);
-        // Outside a transaction (a claim) the insert commits by itself: a key whose commit the
-        // standby may not have must not name a foreign request (its UUID) yet. Inside one, the
-        // commit is watched instead.
+        // Every caller runs it in a transaction, whose commit it watches; a cancelled wait here
+        // (none is expected before the commit) is refused all the same: a key whose commit the
+        // standby may not have must not name a foreign request (its UUID) yet.
         let (row, cancelled) = watched(row).await;
         let row = match row {
             Ok(row) => {
@@ -556,6 +547,24 @@ impl Store {
         let Some(row) = row else {
             return Ok(Inserted::Conflict);
         };
+        if track {
+            // A statement of its own, in the caller's transaction: on Citus, two inserts in one
+            // statement (CTEs) go through the coordinator to every worker.
+            sqlx::query(
+                "INSERT INTO idempotency_keys_unfinished
+                     (owner, key_id, request_method, request_path, created_at)
+                 VALUES ($1, $2, $3, $4, $5)",
+            )
+            .bind(req.owner.as_str())
+            .bind(row.get::<i64, _>("id"))
+            .bind(req.method)
+            .bind(req.route)
+            .bind(row.get::<OffsetDateTime, _>("created_at"))
+            .persistent(self.persistent())
+            .execute(&mut *conn)
+            .await
+            .map_err(Error::db(claim_context(req)))?;
+        }
         Ok(Inserted::Row(Lease {
             key_id: row.get("id"),
             request_uuid: row.get::<Uuid, _>("request_uuid"),

@@ -49,13 +49,26 @@
 //! Every statement carries the key's `owner`, so the table can be distributed by owner (on Citus:
 //! `idempotency_keys` by `owner`, `idempotency_keys_unfinished` colocated with it). Every
 //! `UPDATE` and `DELETE` compares `owner` with a parameter, so that it goes to one shard, and
-//! names the current time `$now` ([`Store::timed`]), never inside `COALESCE` or `CASE`.
+//! names the current time `$now` ([`Store::timed`]), never inside `COALESCE` or `CASE`. Every
+//! `INSERT` is a statement of its own (a claim's key and its unfinished row are two, in one
+//! transaction): Citus pulls a second `INSERT` CTE of one statement through the coordinator and
+//! on to every worker.
 //!
-//! **An application's own tables**, to share a node with its keys, need a column of the owner's
-//! type (text) holding the key's owner, distributed by it and colocated with `idempotency_keys`;
-//! that column in every unique constraint and foreign key (no `ON DELETE SET NULL` on one that
-//! includes it); and every statement in a phase comparing it with a parameter, with the time
-//! through [`Store::timed`].
+//! **An application's own tables**, to share a node with its keys (so that a phase's transaction
+//! commits on one node, without two-phase commit), need:
+//!
+//! - a text column holding the key's owner ([`crate::Owner::as_str`]; for an integer user id,
+//!   `user_id::text`, kept so by a check), written by every insert: Citus needs the value before
+//!   it routes the row, so neither a generated column nor a trigger will do;
+//! - the table distributed by it, colocated with the keys:
+//!   `create_distributed_table('t', 'col', colocate_with => 'idempotency_keys')`;
+//! - that column in every primary key, unique constraint and foreign key, and no
+//!   `ON DELETE SET NULL`/`SET DEFAULT` on a foreign key that includes it (so no such reference
+//!   to `idempotency_keys`: the reaper deletes finished keys);
+//! - every statement in a phase comparing it with a parameter (`col = $1`, not only through a
+//!   join), one `INSERT` per statement, and the time through [`Store::timed`].
+//!
+//! Rocket Rides' `rocket-rides distribute` and its docs/scaling.md show one such layout.
 
 mod builder;
 mod claim;

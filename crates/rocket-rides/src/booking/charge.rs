@@ -37,7 +37,7 @@ impl ChargeTarget {
                    r.charge_doubt AS doubt, r.charge_refusal AS refusal,
                    $4::boolean AS fresh
             FROM rides r JOIN users u ON u.id = r.user_id
-            WHERE r.user_id = $1 AND r.idempotency_key_id = $2
+            WHERE r.user_id = $1 AND r.key_owner = $1::text AND r.idempotency_key_id = $2
             "#,
         );
         let target = sqlx::query_as(timed.sql())
@@ -248,7 +248,7 @@ impl Charging<'_> {
                                  THEN charge_attempted_at
                                  ELSE $3::timestamptz END,
                              updated_at = $3::timestamptz
-            WHERE id = $1 AND user_id = $2
+            WHERE id = $1 AND user_id = $2 AND key_owner = $2::text
             RETURNING charge_attempted_at,
                       charge_generation_at <= $4::timestamptz
             "#,

@@ -108,7 +108,7 @@ impl Charging<'_> {
             .await?;
         sqlx::query(
             "UPDATE rides SET charge_id = $3, status = 'payment_pending', updated_at = now()
-             WHERE id = $1 AND user_id = $2",
+             WHERE id = $1 AND user_id = $2 AND key_owner = $2::text",
         )
         .bind(ride_id)
         .bind(user_id)
@@ -207,7 +207,7 @@ impl Charging<'_> {
         sqlx::query(
             "UPDATE rides SET status = 'declined', charge_id = NULL,
                               charge_doubt = NULL, charge_refusal = NULL, updated_at = now()
-             WHERE id = $1 AND user_id = $2",
+             WHERE id = $1 AND user_id = $2 AND key_owner = $2::text",
         )
         .bind(ride_id)
         .bind(user_id)
@@ -256,7 +256,7 @@ impl Charging<'_> {
         sqlx::query(
             "UPDATE rides SET status = 'failed', charge_doubt = NULL, charge_refusal = NULL,
                               updated_at = now()
-             WHERE id = $1 AND user_id = $2",
+             WHERE id = $1 AND user_id = $2 AND key_owner = $2::text",
         )
         .bind(ride_id)
         .bind(user_id)

@@ -106,7 +106,7 @@ impl Charging<'_> {
             SELECT ceil(extract(epoch FROM coalesce(charge_attempted_at, $now)
                                            + $3 * interval '1 millisecond'
                                            - $now) * 1000)::bigint
-            FROM rides WHERE user_id = $1 AND id = $2
+            FROM rides WHERE user_id = $1 AND key_owner = $1::text AND id = $2
             "#,
         );
         let left: i64 = sqlx::query_scalar(timed.sql())
@@ -162,7 +162,7 @@ impl Charging<'_> {
         let mut phase = state.store.phase(lease, point).await?;
         sqlx::query(
             "UPDATE rides SET charge_doubt = $3, charge_refusal = $4, updated_at = now()
-             WHERE id = $1 AND user_id = $2",
+             WHERE id = $1 AND user_id = $2 AND key_owner = $2::text",
         )
         .bind(ride_id)
         .bind(user_id)
@@ -281,7 +281,7 @@ impl Charging<'_> {
                               charge_attempted_at = $now,
                               charge_doubt = NULL, charge_refusal = NULL,
                               updated_at = now()
-             WHERE id = $1 AND user_id = $2
+             WHERE id = $1 AND user_id = $2 AND key_owner = $2::text
              RETURNING charge_generation, charge_generation_at",
             now,
         );

@@ -1,5 +1,7 @@
 //! The statements the phases share: the ride with its audit record, a paid charge with its
-//! audit record and receipt job, a receipt job alone, an audit record. `POST /bench/rides`
+//! audit record and receipt job, a receipt job alone, an audit record. Each statement writes one
+//! table: on Citus, a statement with two inserts is pulled through the coordinator and reaches
+//! every worker (docs/scaling.md). `POST /bench/rides`
 //! writes the same rows with the first two.
 //!
 //! Each statement is unnamed when the key store's are (`persistent`, [`idempotency::Store::persistent`]):
@@ -14,8 +16,9 @@ use super::error::{db, BookingError};
 use crate::ride::{RideRequest, RideView, RIDE_COLUMNS};
 use crate::state::AppState;
 
-/// The ride row, unpaid, and its audit record, in one statement; returns the ride's id and
-/// creation time.
+/// The ride row, unpaid, and its audit record, two statements in the caller's transaction
+/// (one each: on Citus, two inserts in one statement go through the coordinator to every
+/// worker; docs/scaling.md); returns the ride's id and creation time.
 pub(crate) async fn insert_ride(
     conn: &mut PgConnection,
     state: &AppState,
@@ -25,22 +28,15 @@ pub(crate) async fn insert_ride(
 ) -> Result<(i64, OffsetDateTime), BookingError> {
     let timed = state.store.timed(
         r#"
-        WITH ride AS (
-            INSERT INTO rides (user_id, key_owner, idempotency_key_id, origin_lat, origin_lon,
-                               target_lat, target_lon, amount_cents, charge_first_attempt_at,
-                               charge_generation_at, charge_attempted_at)
-            VALUES ($1, $1::text, $2, $3, $4, $5, $6, $7, $now,
-                    $now, $now)
-            RETURNING id, charge_first_attempt_at
-        ), audited AS (
-            INSERT INTO audit_records (user_id, action, resource_type, resource_id, data)
-            SELECT $1, 'ride.created', 'ride', id, jsonb_build_object('idempotency_key_id', $2)
-            FROM ride
-        )
-        SELECT id, charge_first_attempt_at FROM ride
+        INSERT INTO rides (user_id, key_owner, idempotency_key_id, origin_lat, origin_lon,
+                           target_lat, target_lon, amount_cents, charge_first_attempt_at,
+                           charge_generation_at, charge_attempted_at)
+        VALUES ($1, $1::text, $2, $3, $4, $5, $6, $7, $now,
+                $now, $now)
+        RETURNING id, charge_first_attempt_at
         "#,
     );
-    sqlx::query_as(timed.sql())
+    let (ride_id, created_at): (i64, OffsetDateTime) = sqlx::query_as(timed.sql())
         .bind(user_id)
         .bind(key_id)
         .bind(request.origin_lat)
@@ -50,9 +46,20 @@ pub(crate) async fn insert_ride(
         .bind(request.amount_cents)
         .bind_now(&timed)
         .persistent(state.store.persistent())
-        .fetch_one(conn)
+        .fetch_one(&mut *conn)
         .await
-        .map_err(db("insert ride"))
+        .map_err(db("insert ride"))?;
+    let data = serde_json::json!({ "idempotency_key_id": key_id });
+    audit(
+        conn,
+        state.store.persistent(),
+        user_id,
+        "ride.created",
+        ride_id,
+        data,
+    )
+    .await?;
+    Ok((ride_id, created_at))
 }
 
 /// The gateway's customer of `user_id`, read in the transaction that creates the ride: what the
@@ -70,8 +77,8 @@ pub(crate) async fn customer(
         .map_err(db("read the rider's customer"))
 }
 
-/// A paid charge on its ride, its audit record and the ride's receipt job, in one statement;
-/// returns the ride as it is now.
+/// A paid charge on its ride, its audit record and the ride's receipt job, one statement each
+/// in the caller's transaction (see [`insert_ride`]); returns the ride as it is now.
 pub(crate) async fn charge_paid(
     conn: &mut PgConnection,
     persistent: bool,
@@ -80,46 +87,36 @@ pub(crate) async fn charge_paid(
     charge_id: &str,
     adopted: bool,
 ) -> Result<RideView, BookingError> {
-    sqlx::query_as(&format!(
-        r#"
-        WITH ride AS (
-            UPDATE rides SET charge_id = $3, status = 'paid',
-                             charge_doubt = NULL, charge_refusal = NULL, updated_at = now()
-            WHERE user_id = $1 AND id = $2
-            RETURNING {RIDE_COLUMNS}
-        ), audited AS (
-            INSERT INTO audit_records (user_id, action, resource_type, resource_id, data)
-            SELECT $1, 'ride.charged', 'ride', id,
-                   jsonb_build_object('charge_id', $3::text, 'adopted', $4::boolean)
-            FROM ride
-        ), receipt AS (
-            INSERT INTO staged_jobs (user_id, job_name, job_args)
-            SELECT $1, 'send_ride_receipt', jsonb_build_object('ride_id', id) FROM ride
-        )
-        SELECT {RIDE_COLUMNS} FROM ride
-        "#
+    let ride: RideView = sqlx::query_as(&format!(
+        "UPDATE rides SET charge_id = $3, status = 'paid',
+                          charge_doubt = NULL, charge_refusal = NULL, updated_at = now()
+         WHERE user_id = $1 AND key_owner = $1::text AND id = $2
+         RETURNING {RIDE_COLUMNS}"
     ))
     .bind(user_id)
     .bind(ride_id)
     .bind(charge_id)
-    .bind(adopted)
     .persistent(persistent)
-    .fetch_optional(conn)
+    .fetch_optional(&mut *conn)
     .await
     .map_err(db("record charge"))?
-    .ok_or_else(|| BookingError::Internal(format!("no ride {ride_id} to record a charge on")))
+    .ok_or_else(|| BookingError::Internal(format!("no ride {ride_id} to record a charge on")))?;
+    let data = serde_json::json!({ "charge_id": charge_id, "adopted": adopted });
+    audit(conn, persistent, user_id, "ride.charged", ride_id, data).await?;
+    stage_receipt(conn, persistent, user_id, ride_id).await?;
+    Ok(ride)
 }
 
 /// The receipt job of a ride whose charge an earlier version recorded.
-pub(super) async fn stage_receipt(
+pub(crate) async fn stage_receipt(
     conn: &mut PgConnection,
     persistent: bool,
     user_id: i64,
     ride_id: i64,
 ) -> Result<(), BookingError> {
     sqlx::query(
-        "INSERT INTO staged_jobs (user_id, job_name, job_args)
-         VALUES ($1, 'send_ride_receipt', jsonb_build_object('ride_id', $2::bigint))",
+        "INSERT INTO staged_jobs (user_id, key_owner, job_name, job_args)
+         VALUES ($1, $1::text, 'send_ride_receipt', jsonb_build_object('ride_id', $2::bigint))",
     )
     .bind(user_id)
     .bind(ride_id)
@@ -130,7 +127,8 @@ pub(super) async fn stage_receipt(
     Ok(())
 }
 
-pub(super) async fn audit(
+/// An audit record of the ride `ride_id`.
+pub(crate) async fn audit(
     conn: &mut PgConnection,
     persistent: bool,
     user_id: i64,
@@ -139,8 +137,8 @@ pub(super) async fn audit(
     data: serde_json::Value,
 ) -> Result<(), BookingError> {
     sqlx::query(
-        "INSERT INTO audit_records (user_id, action, resource_type, resource_id, data)
-         VALUES ($1, $2, 'ride', $3, $4)",
+        "INSERT INTO audit_records (user_id, key_owner, action, resource_type, resource_id, data)
+         VALUES ($1, $1::text, $2, 'ride', $3, $4)",
     )
     .bind(user_id)
     .bind(action)

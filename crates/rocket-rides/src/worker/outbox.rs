@@ -107,7 +107,7 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
     let mut tx = state.pool.begin().await?;
     let jobs: Vec<(i64, String, serde_json::Value)> = sqlx::query_as(
         "SELECT id, job_name, job_args FROM staged_jobs
-         WHERE user_id = $1 AND id = ANY($2)
+         WHERE user_id = $1 AND key_owner = $1::text AND id = ANY($2)
          ORDER BY id FOR UPDATE SKIP LOCKED",
     )
     .bind(user_id)
@@ -127,7 +127,7 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
                 sqlx::query(
                     "INSERT INTO failed_jobs (id, user_id, job_name, job_args, error, created_at)
                      SELECT id, user_id, job_name, job_args, $3, created_at FROM staged_jobs
-                     WHERE user_id = $1 AND id = $2",
+                     WHERE user_id = $1 AND key_owner = $1::text AND id = $2",
                 )
                 .bind(user_id)
                 .bind(id)
@@ -138,12 +138,14 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
                 drained.failed += 1;
             }
         }
-        sqlx::query("DELETE FROM staged_jobs WHERE user_id = $1 AND id = $2")
-            .bind(user_id)
-            .bind(id)
-            .persistent(persistent)
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "DELETE FROM staged_jobs WHERE user_id = $1 AND key_owner = $1::text AND id = $2",
+        )
+        .bind(user_id)
+        .bind(id)
+        .persistent(persistent)
+        .execute(&mut *tx)
+        .await?;
     }
     tx.commit().await?;
     Ok(drained)
@@ -163,12 +165,14 @@ async fn run_job(
                 Ok(args) => args,
                 Err(e) => return Ok(Err(format!("unreadable arguments: {e}"))),
             };
-            // The effect. ON CONFLICT: a receipt already sent for this ride is not sent again.
+            // The effect. ON CONFLICT: a receipt already sent for this ride is not sent again (the
+            // primary key, the only unique index: (user_id, ride_id) here, (key_owner, ride_id)
+            // once distributed, so no conflict target is named).
             sqlx::query(
-                "INSERT INTO ride_receipts (ride_id, user_id, amount_cents, charge_id)
-                 SELECT id, user_id, amount_cents, charge_id FROM rides
-                 WHERE user_id = $1 AND id = $2 AND status = 'paid'
-                 ON CONFLICT (user_id, ride_id) DO NOTHING",
+                "INSERT INTO ride_receipts (ride_id, user_id, key_owner, amount_cents, charge_id)
+                 SELECT id, user_id, key_owner, amount_cents, charge_id FROM rides
+                 WHERE user_id = $1 AND key_owner = $1::text AND id = $2 AND status = 'paid'
+                 ON CONFLICT DO NOTHING",
             )
             .bind(user_id)
             .bind(args.ride_id)

@@ -10,7 +10,11 @@
 //!    called with column references"): `col - interval …`, `date_trunc(…, col)`;
 //! 3. the distribution column compared with a parameter in its `WHERE`, so that Citus prunes the
 //!    statement to one shard: a join through a CTE (`u.owner = f.owner`) is not enough, Citus
-//!    sends that to every shard.
+//!    sends that to every shard. On the service's tables that column is `key_owner`;
+//! 4. at most one `INSERT` into a distributed table per statement: Citus plans a second one (an
+//!    `INSERT` CTE beside another) as a subplan whose rows go through the coordinator to every
+//!    worker, a multi-node commit for one user's rows. Each insert is a statement of its own, in
+//!    the same transaction.
 
 use std::path::Path;
 
@@ -228,9 +232,26 @@ fn where_names_owner(code: &str, at: usize, column: &str) -> bool {
         || clause.contains(&format!(" {column} = $"))
 }
 
+/// Rule 4: the distributed tables a statement inserts into, one entry per `INSERT INTO`.
+fn inserts(code: &str) -> Vec<&'static str> {
+    let w = words(code);
+    w.windows(3)
+        .filter(|t| t[0] == "insert" && t[1] == "into")
+        .filter_map(|t| touched_table(&format!("into {}", t[2])))
+        .collect()
+}
+
 /// What Citus would refuse, or fan out, in a statement; `None` for a statement that passes.
 pub(super) fn citus_violation(sql: &str) -> Option<String> {
     let code = code_of(sql);
+    let inserted = inserts(&code);
+    if inserted.len() > 1 {
+        return Some(format!(
+            "{} INSERTs into distributed tables ({}) in one statement",
+            inserted.len(),
+            inserted.join(", ")
+        ));
+    }
     let modifications = modifications(&code);
     if modifications.is_empty() {
         return None;
@@ -267,7 +288,10 @@ fn every_statement_that_modifies_a_distributed_table_is_one_citus_routes() {
     for file in &files {
         let source = std::fs::read_to_string(file).unwrap();
         for sql in string_literals(&source) {
-            if touched_table(&sql).is_none() || modifications(&code_of(&sql)).is_empty() {
+            let code = code_of(&sql);
+            if touched_table(&sql).is_none()
+                || (modifications(&code).is_empty() && inserts(&code).len() < 2)
+            {
                 continue;
             }
             checked += 1;
@@ -313,6 +337,23 @@ fn the_citus_checker_refuses_what_citus_refuses() {
         .contains("idempotency_keys_unfinished"));
     let no_owner = "UPDATE rides SET status = 'paid' WHERE id = $1";
     assert!(citus_violation(no_owner).is_some());
+    // The service's tables are distributed by key_owner: user_id alone does not route.
+    let by_user_id = "UPDATE rides SET status = 'paid' WHERE user_id = $1 AND id = $2";
+    assert!(citus_violation(by_user_id).unwrap().contains("key_owner"));
+    // Rule 4: two inserts into distributed tables in one statement, as CTEs.
+    let two_inserts = "WITH ride AS (INSERT INTO rides (user_id, key_owner) VALUES ($1, $1::text)
+                                     RETURNING id)
+                       INSERT INTO audit_records (user_id, key_owner, resource_id)
+                       SELECT $1, $1::text, id FROM ride";
+    assert!(citus_violation(two_inserts)
+        .unwrap()
+        .contains("2 INSERTs into distributed tables (rides, audit_records)"));
+    let key_and_row = "WITH inserted AS (INSERT INTO idempotency_keys (owner) VALUES ($1)
+                                         RETURNING owner, id),
+                       tracked AS (INSERT INTO idempotency_keys_unfinished (owner, key_id)
+                                   SELECT owner, id FROM inserted)
+                       SELECT id FROM inserted";
+    assert!(citus_violation(key_and_row).is_some());
 
     // What passes: the time bare, arithmetic on parameters, the owner as a parameter.
     let fine = [
@@ -326,7 +367,11 @@ fn the_citus_checker_refuses_what_citus_refuses() {
                     WHERE id = $1 AND owner = $2 RETURNING owner, id)
          DELETE FROM idempotency_keys_unfinished u USING f
          WHERE u.owner = $2 AND u.owner = f.owner AND u.key_id = f.id",
-        "UPDATE rides SET updated_at = now() WHERE id = $1 AND user_id = $2",
+        "UPDATE rides SET updated_at = now() WHERE id = $1 AND key_owner = $2::text",
+        // One insert, or an insert into a table that is not distributed beside one that is.
+        "INSERT INTO audit_records (user_id, key_owner, action) VALUES ($1, $1::text, $2)",
+        "INSERT INTO failed_jobs (id, user_id) SELECT id, user_id FROM staged_jobs
+         WHERE key_owner = $1 AND id = $2",
         // A SELECT may use COALESCE with a clock: Citus runs it on the shard as it is.
         "SELECT coalesce(charge_attempted_at, $now) FROM rides WHERE user_id = $1 FOR UPDATE",
     ];
@@ -354,4 +399,180 @@ async fn distribute_refuses_a_server_without_citus_and_changes_nothing(pool: sql
     assert_eq!(after, before);
     // The constraints the command would change are there to be changed.
     assert!(before.contains("rides_charge_id_key"), "{before}");
+}
+
+/// Citus's catalog of distributed tables, empty, in the test's schema: on plain PostgreSQL it
+/// lets `distribute`'s preparation read "nothing is distributed yet".
+async fn no_table_distributed_yet(pool: &sqlx::PgPool) {
+    sqlx::query(
+        "CREATE TABLE pg_dist_partition (logicalrelid regclass, partmethod \"char\",
+                                         repmodel \"char\")",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[sqlx::test(migrations = false)]
+async fn distribute_prepares_every_table_in_an_order_postgres_accepts_and_a_rerun_does_nothing(
+    pool: sqlx::PgPool,
+) {
+    use rocket_rides::db::distribute::{prepare_statements, KEYS, REFERENCES, TABLES};
+    rocket_rides::db::migrate(&pool).await.unwrap();
+    no_table_distributed_yet(&pool).await;
+    let mut tx = pool.begin().await.unwrap();
+    let statements = prepare_statements(&mut tx).await.unwrap();
+    // Run in this order, each succeeds: a key that a foreign key still used could not be
+    // dropped ("cannot drop constraint rides_pkey … because other objects depend on it").
+    for statement in &statements {
+        sqlx::query(statement)
+            .execute(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}\n{statements:#?}"));
+    }
+    tx.commit().await.unwrap();
+    let position = |needle: &str| {
+        statements
+            .iter()
+            .position(|s| s.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle}: {statements:#?}"))
+    };
+    assert!(
+        position("DROP CONSTRAINT ride_receipts_ride_fkey")
+            < position("DROP CONSTRAINT rides_pkey")
+    );
+
+    // Every primary key and unique index of a distributed table includes its column.
+    let indexes: Vec<(String, String, Vec<String>)> = sqlx::query_as(
+        "SELECT t.relname::text, i.relname::text, array_agg(a.attname::text)
+         FROM pg_index x
+         JOIN pg_class i ON i.oid = x.indexrelid
+         JOIN pg_class t ON t.oid = x.indrelid
+         JOIN pg_attribute a ON a.attrelid = t.oid AND a.attnum = ANY(x.indkey)
+         WHERE x.indisunique AND t.relname = ANY($1)
+         GROUP BY t.relname, i.relname",
+    )
+    .bind(TABLES.iter().map(|(t, _)| *t).collect::<Vec<_>>())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(indexes.len(), KEYS.len() + 3, "{indexes:?}");
+    for (table, index, columns) in &indexes {
+        let column = TABLES.iter().find(|(t, _)| t == table).unwrap().1;
+        assert!(
+            columns.iter().any(|c| c == column),
+            "{table}.{index} {columns:?} lacks {column}"
+        );
+    }
+    // No foreign key is left among them, no trigger, and key_owner is never empty.
+    let left: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM pg_constraint WHERE contype = 'f'
+                   AND conrelid::regclass::text = ANY($1))
+              + (SELECT count(*) FROM pg_trigger WHERE NOT tgisinternal
+                   AND tgrelid::regclass::text = ANY($1))
+              + (SELECT count(*) FROM pg_attribute WHERE attname = 'key_owner'
+                   AND NOT attnotnull AND attrelid::regclass::text = ANY($1))",
+    )
+    .bind(TABLES.iter().map(|(t, _)| *t).collect::<Vec<_>>())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, 0);
+    // A second run (after a failure in step 4: nothing has foreign keys again yet) finds
+    // nothing left to prepare.
+    let mut conn = pool.acquire().await.unwrap();
+    assert_eq!(
+        prepare_statements(&mut conn).await.unwrap(),
+        Vec::<String>::new()
+    );
+    // The foreign keys of the distributed layout can be added to what it prepared; once every
+    // table is distributed, a run (after a failure in step 5) leaves them.
+    for (table, name, definition) in REFERENCES {
+        sqlx::query(&format!(
+            "ALTER TABLE {table} ADD CONSTRAINT {name} {definition}"
+        ))
+        .execute(&mut *conn)
+        .await
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    sqlx::query(
+        "INSERT INTO pg_dist_partition
+         SELECT t::regclass, 'h', 's' FROM unnest($1::text[]) t
+         UNION ALL SELECT 'users'::regclass, 'n', 't'",
+    )
+    .bind(TABLES.iter().map(|(t, _)| *t).collect::<Vec<_>>())
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        prepare_statements(&mut conn).await.unwrap(),
+        Vec::<String>::new()
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn key_owner_is_filled_for_an_earlier_versions_inserts_and_for_rows_from_before(
+    pool: sqlx::PgPool,
+) {
+    rocket_rides::db::migrate(&pool).await.unwrap();
+    let user: i64 = sqlx::query_scalar("INSERT INTO users (email) VALUES ('a@b.c') RETURNING id")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    // A row from before the migration: written without the trigger.
+    sqlx::query("ALTER TABLE staged_jobs DISABLE TRIGGER staged_jobs_key_owner")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO staged_jobs (user_id, job_name, job_args) VALUES ($1, 'x', '{}')")
+        .bind(user)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("ALTER TABLE staged_jobs ENABLE TRIGGER staged_jobs_key_owner")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // An earlier version's insert, which does not name the column, while the new one runs.
+    sqlx::query(
+        "INSERT INTO audit_records (user_id, action, resource_type, resource_id)
+                 VALUES ($1, 'a', 'ride', 1)",
+    )
+    .bind(user)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let empty = "SELECT (SELECT count(*) FROM staged_jobs WHERE key_owner IS NULL)
+                      + (SELECT count(*) FROM audit_records WHERE key_owner IS DISTINCT FROM $1)";
+    let before: i64 = sqlx::query_scalar(empty)
+        .bind(user.to_string())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        before, 1,
+        "the row from before is empty until migrate fills it"
+    );
+    rocket_rides::db::migrate(&pool).await.unwrap();
+    let after: i64 = sqlx::query_scalar(empty)
+        .bind(user.to_string())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(after, 0);
+    // The check holds the column to the user.
+    let wrong = sqlx::query(
+        "INSERT INTO audit_records (user_id, key_owner, action, resource_type, resource_id)
+         VALUES ($1, 'someone else', 'a', 'ride', 1)",
+    )
+    .bind(user)
+    .execute(&pool)
+    .await
+    .unwrap_err();
+    assert!(
+        wrong
+            .to_string()
+            .contains("audit_records_key_owner_is_the_user"),
+        "{wrong}"
+    );
 }
