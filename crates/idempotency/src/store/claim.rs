@@ -155,9 +155,7 @@ impl Store {
                         .await?
                     {
                         Inserted::Row(lease) => {
-                            let (committed, cancelled) = watched(tx.commit()).await;
-                            committed.map_err(Error::db(claim_context(&req)))?;
-                            unless_cancelled(cancelled, claim_context(&req))?;
+                            super::commit(tx, claim_context(&req)).await?;
                             return Ok(Claim::Acquired(lease));
                         }
                         Inserted::Conflict => {}
