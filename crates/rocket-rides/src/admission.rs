@@ -5,9 +5,11 @@
 //!
 //! ```text
 //!  request ──slot free?──yes──────────────────────────► handler (auth, claim, booking task)
-//!                  │                                        holds the slot until its booking
-//!                  └─no──wait ≤ --admission-wait──slot──┘   task ends, not its connection
-//!                                     │
+//!                  │                                        │ holds the slot while it uses the
+//!                  └─no──wait ≤ --admission-wait──slot──┘   │ database; gives it back while it
+//!                                     │                     │ waits on the gateway or on another
+//!                                     │                     │ holder (Prefer: wait), and takes
+//!                                     │                     ▼ one again after, never shed
 //!                                     └─none──► 503 over-capacity, Retry-After: nothing written
 //! ```
 //!
@@ -19,6 +21,19 @@
 //! wait is bounded, so the queue is too: at most the arrivals of one `--admission-wait` wait at
 //! once.
 //! `--http-max-in-flight` stays the outer bound of the whole edge.
+//!
+//! # A slot is for the database, not for the gateway
+//!
+//! A booking waiting on the gateway, or a duplicate waiting for another request's answer
+//! (`Prefer: wait`), holds no pooled connection: were it to keep its slot, a slow gateway would
+//! bring the gate's capacity down to its limit divided by the gateway's time, and shed replays
+//! and reads that need the database for a millisecond behind bookings that use none of it. So
+//! the booking gives its slot back across each gateway call ([`Admitted::away`]) and the handler
+//! across a `Prefer: wait`, and each takes one again after. Taking it again is never a shed: a
+//! booking admitted once may have charged meanwhile, and its answer must not be a capacity 503.
+//! It waits for a slot at most `--admission-wait`, as a new request would, then goes on without
+//! one (counted as `http_admission_overdrawn_total`): the pool's own bound still holds, and the
+//! overdraft is at most the bookings that came back from the gateway in one wait.
 //!
 //! The gate is on the routes that use the database on a client's behalf (`POST /rides`,
 //! `GET /rides/{id}`, the benchmark's baseline), never on `/healthz`, `/readyz`, `/metrics` or
@@ -37,7 +52,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -51,9 +66,62 @@ use crate::problem::ApiError;
 
 /// A slot of the gate, held by an admitted request: put in the request's extensions, so that
 /// work the handler detaches from the connection (the booking's task) takes it along and the
-/// slot is freed only once that work is done. Cloning shares the one slot.
+/// slot is freed only once that work is done. Cloning shares the one slot: given back
+/// ([`Admitted::away`]) by one clone, it is given back for all.
 #[derive(Clone)]
-pub struct Admitted(#[allow(dead_code)] Arc<OwnedSemaphorePermit>);
+pub struct Admitted(Arc<Slot>);
+
+struct Slot {
+    gate: AdmissionLayer,
+    /// `None` while the request is away from the database, or went on without a slot.
+    permit: Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+impl Admitted {
+    /// Runs `work`, which uses no pooled connection (a gateway call), with the slot given
+    /// back; then takes a slot again ([`Admitted::take_again`]). Dropped half-way (the booking
+    /// given up), the slot simply stays given back.
+    pub async fn away<T>(&self, work: impl Future<Output = T>) -> T {
+        self.give_back();
+        let out = work.await;
+        self.take_again().await;
+        out
+    }
+
+    /// Gives the slot back, if held, for as long as the request uses no pooled connection.
+    pub fn give_back(&self) {
+        // Never held across an await: a poisoned lock is only a panicked give-back or take.
+        drop(
+            self.0
+                .permit
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
+    }
+
+    /// Takes a slot again after [`Admitted::give_back`], never shed: the first freed within
+    /// `--admission-wait`, or none, going on without one (the module's doc says why). A slot
+    /// still held is kept.
+    pub async fn take_again(&self) {
+        if self
+            .0
+            .permit
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            return;
+        }
+        let gate = &self.0.gate;
+        match gate.admit().await {
+            Some(permit) => {
+                *self.0.permit.lock().unwrap_or_else(|e| e.into_inner()) = Some(permit);
+            }
+            None => gate.metrics.admission_overdrawn(),
+        }
+    }
+}
 
 /// The gate as a tower layer ([`AdmissionLayer::new`]); one gate, shared by every route it
 /// wraps.
@@ -117,7 +185,10 @@ where
                 gate.metrics.request_shed();
                 return Ok(ApiError::OverCapacity.into_response());
             };
-            let admitted = Admitted(Arc::new(permit));
+            let admitted = Admitted(Arc::new(Slot {
+                gate: gate.clone(),
+                permit: Mutex::new(Some(permit)),
+            }));
             request.extensions_mut().insert(admitted.clone());
             let response = inner.call(request).await;
             // Held until the answer is made, whatever the handler did with the request's copy.
@@ -201,6 +272,61 @@ mod tests {
         assert_eq!(second.await.unwrap().status(), 200);
         assert!(entries.recv().await.is_some(), "the second entered");
         assert!(metrics.render(None).contains("http_requests_shed_total 0"));
+    }
+
+    #[tokio::test]
+    async fn a_request_away_leaves_its_slot_and_comes_back_unshed_when_none_frees() {
+        let metrics = Metrics::default();
+        let gate = AdmissionLayer::new(1, Duration::from_millis(10), metrics.clone());
+        // A request away from the database, its slot given back until `back` is sent; it hands
+        // its slot out once back.
+        let (back, coming_back) = tokio::sync::oneshot::channel::<()>();
+        let (returned, has_returned) = tokio::sync::oneshot::channel();
+        let (coming_back, returned) = (
+            Arc::new(Mutex::new(Some(coming_back))),
+            Arc::new(Mutex::new(Some(returned))),
+        );
+        let away = gate.layer(tower::service_fn(move |request: Request| {
+            let slot = request.extensions().get::<Admitted>().unwrap().clone();
+            let coming_back = coming_back.lock().unwrap().take().unwrap();
+            let returned = returned.lock().unwrap().take().unwrap();
+            async move {
+                slot.away(async { coming_back.await.unwrap() }).await;
+                returned.send(slot).ok();
+                Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
+            }
+        }));
+        // Another request of the same gate, holding its slot until `go`.
+        let (entered, mut entries) = mpsc::unbounded_channel();
+        let (go, gone) = watch::channel(false);
+        let holder = gate.layer(tower::service_fn(move |_: Request| {
+            let (entered, mut gone) = (entered.clone(), gone.clone());
+            async move {
+                entered.send(()).unwrap();
+                gone.wait_for(|go| *go).await.unwrap();
+                Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
+            }
+        }));
+        let away = tokio::spawn(away.oneshot(request()));
+        // While the first is away, the other takes the one slot, and keeps it.
+        let holder = tokio::spawn(holder.oneshot(request()));
+        entries.recv().await.unwrap();
+        // Back, the first finds none free within the wait and goes on without one: not shed.
+        back.send(()).unwrap();
+        let slot = has_returned.await.unwrap();
+        assert!(slot.0.permit.lock().unwrap().is_none(), "no slot taken");
+        assert_eq!(away.await.unwrap().unwrap().status(), 200);
+        let rendered = metrics.render(None);
+        assert!(
+            rendered.contains("http_admission_overdrawn_total 1"),
+            "{rendered}"
+        );
+        assert!(
+            rendered.contains("http_requests_shed_total 0"),
+            "{rendered}"
+        );
+        go.send_replace(true);
+        assert_eq!(holder.await.unwrap().unwrap().status(), 200);
     }
 
     #[tokio::test]

@@ -78,11 +78,12 @@ pub async fn create(
     let owner = Owner::from(user.id);
     // The library runs the booking detached from this connection; the task here is the
     // service's own bookkeeping: shutdown waits for it, and it holds the request's slot of the
-    // admission gate until the booking is done with the database.
+    // admission gate until the booking is done with the database (given back while the
+    // gateway or another holder is awaited: `crate::admission`).
+    let slot = admitted.map(|Extension(slot)| slot);
     let task = state.clone().tasks.spawn(
         async move {
-            let _admitted = admitted;
-            let booking = Arc::new(Booking::new(state.clone()));
+            let booking = Arc::new(Booking::admitted(state.clone(), slot.clone()));
             let request = Request::new(owner.clone(), key.clone(), params.clone());
             let mut outcome = state.store.run(&booking, request).await;
             if let Some(deadline) = deadline {
@@ -91,6 +92,7 @@ pub async fn create(
                     key: &key,
                     params: &params,
                     deadline,
+                    slot: slot.as_ref(),
                 };
                 outcome = waiting.for_holder(&state, &booking, outcome).await?;
             }
@@ -108,12 +110,16 @@ struct Waiting<'a> {
     key: &'a IdempotencyKey,
     params: &'a serde_json::Value,
     deadline: Instant,
+    /// The request's admission slot: given back while it waits, taken again (never shed)
+    /// before it runs the booking again.
+    slot: Option<&'a Admitted>,
 }
 
 impl Waiting<'_> {
     /// While another request holds the key: until the holder answers (its answer, replayed),
     /// lets the key go (run again: this request may resume it), or the deadline comes (the
-    /// usual 409). Between reads it holds no pooled connection.
+    /// usual 409). Between reads it holds no pooled connection, and while it waits no slot of
+    /// the admission gate: its reads are one statement each, a poll at a time.
     async fn for_holder(
         &self,
         state: &AppState,
@@ -135,6 +141,9 @@ impl Waiting<'_> {
             if Instant::now() >= self.deadline {
                 break;
             }
+            if let Some(slot) = self.slot {
+                slot.give_back();
+            }
             outcome = match state
                 .store
                 .wait_for_answer_paced(&waiting, self.deadline, &mut pause)
@@ -148,6 +157,9 @@ impl Waiting<'_> {
                     })
                 }
                 KeyState::Absent | KeyState::Mismatch | KeyState::Claimable => {
+                    if let Some(slot) = self.slot {
+                        slot.take_again().await;
+                    }
                     let request =
                         Request::new(self.owner.clone(), self.key.clone(), self.params.clone());
                     state.store.run(booking, request).await

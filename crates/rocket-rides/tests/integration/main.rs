@@ -8,6 +8,7 @@ mod common;
 mod distribution;
 mod doubt;
 mod edge;
+mod gate;
 mod gateway;
 mod live_migration;
 mod observability;
