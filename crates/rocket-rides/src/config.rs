@@ -271,7 +271,10 @@ pub const DEFAULT_ADMISSION_WAIT: Duration = Duration::from_millis(200);
 
 /// The longest `--admission-wait`: a client told by a shed to come back after this long
 /// (`Retry-After: 1`) would do better to come back than to wait longer in the queue.
-pub const MAX_ADMISSION_WAIT: Duration = crate::problem::OVERLOAD_RETRY_AFTER;
+pub const MAX_ADMISSION_WAIT: Duration = OVERLOAD_RETRY_AFTER;
+
+/// How long a client should wait after the server shed its request or connection.
+pub const OVERLOAD_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 impl HttpArgs {
     /// The admission gate's slots: `--admission-limit`, or the pool's `max_connections`.

@@ -10,6 +10,7 @@ use http::StatusCode;
 use idempotency_axum::Problem;
 use serde_json::json;
 
+use crate::config::OVERLOAD_RETRY_AFTER;
 use crate::ride::FieldError;
 
 /// The stable `type` of each problem the service answers with (the idempotency ones come from
@@ -125,9 +126,6 @@ pub const GATEWAY_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// How long a client should wait before asking again about a pending charge: a gateway
 /// settles a pending card charge in seconds, a bank debit in days; the completer keeps asking.
 pub const PENDING_RETRY_AFTER: Duration = Duration::from_secs(5);
-
-/// How long a client should wait after the server shed its request or connection.
-pub const OVERLOAD_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Detail of the 401.
 pub const UNAUTHORIZED_DETAIL: &str = "send a valid API key as `Authorization: Bearer <key>`";
