@@ -29,11 +29,14 @@
 //! bring the gate's capacity down to its limit divided by the gateway's time, and shed replays
 //! and reads that need the database for a millisecond behind bookings that use none of it. So
 //! the booking gives its slot back across each gateway call ([`Admitted::away`]) and the handler
-//! across a `Prefer: wait`, and each takes one again after. Taking it again is never a shed: a
-//! booking admitted once may have charged meanwhile, and its answer must not be a capacity 503.
-//! It waits for a slot at most `--admission-wait`, as a new request would, then goes on without
-//! one (counted as `http_admission_overdrawn_total`): the pool's own bound still holds, and the
-//! overdraft is at most the bookings that came back from the gateway in one wait.
+//! across a `Prefer: wait`, and each takes one again after. Taking it again is never a shed,
+//! nor a wait: a booking admitted once may have charged meanwhile, its answer must not be a
+//! capacity 503, and finishing a booking already started comes before starting a new one. So
+//! a booking that comes back to no free slot goes on at once on credit (counted as
+//! `http_admission_overdrawn_total`), and the next slot any request lets go pays the debt: it
+//! is not handed to a new request. The gate's count is exceeded by at most the bookings back
+//! from the gateway at one instant, and only until as many slots are let go; the pool's own
+//! bound still holds meanwhile.
 //!
 //! The gate is on the routes that use the database on a client's behalf (`POST /rides`,
 //! `GET /rides/{id}`, the benchmark's baseline), never on `/healthz`, `/readyz`, `/metrics` or
@@ -52,6 +55,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -73,53 +77,67 @@ pub struct Admitted(Arc<Slot>);
 
 struct Slot {
     gate: AdmissionLayer,
-    /// `None` while the request is away from the database, or went on without a slot.
-    permit: Mutex<Option<OwnedSemaphorePermit>>,
+    held: Mutex<Held>,
+}
+
+/// What an admitted request holds of the gate.
+enum Held {
+    /// A slot.
+    Slot(OwnedSemaphorePermit),
+    /// A slot on credit: the request came back to none free, and the next slot let go is its.
+    Credit,
+    /// Nothing: the request is away from the database.
+    Away,
 }
 
 impl Admitted {
     /// Runs `work`, which uses no pooled connection (a gateway call), with the slot given
-    /// back; then takes a slot again ([`Admitted::take_again`]). Dropped half-way (the booking
+    /// back; then takes one again ([`Admitted::take_again`]). Dropped half-way (the booking
     /// given up), the slot simply stays given back.
     pub async fn away<T>(&self, work: impl Future<Output = T>) -> T {
         self.give_back();
         let out = work.await;
-        self.take_again().await;
+        self.take_again();
         out
     }
 
     /// Gives the slot back, if held, for as long as the request uses no pooled connection.
     pub fn give_back(&self) {
-        // Never held across an await: a poisoned lock is only a panicked give-back or take.
-        drop(
-            self.0
-                .permit
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take(),
-        );
+        let held = std::mem::replace(&mut *self.held(), Held::Away);
+        self.0.gate.let_go(held);
     }
 
-    /// Takes a slot again after [`Admitted::give_back`], never shed: the first freed within
-    /// `--admission-wait`, or none, going on without one (the module's doc says why). A slot
-    /// still held is kept.
-    pub async fn take_again(&self) {
-        if self
-            .0
-            .permit
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
-        {
+    /// Takes a slot again after [`Admitted::give_back`], at once and never shed: a free one,
+    /// or, when none is, one on credit (the module's doc says why). A slot still held is kept.
+    pub fn take_again(&self) {
+        let mut held = self.held();
+        if !matches!(*held, Held::Away) {
             return;
         }
         let gate = &self.0.gate;
-        match gate.admit().await {
-            Some(permit) => {
-                *self.0.permit.lock().unwrap_or_else(|e| e.into_inner()) = Some(permit);
+        *held = match gate.slots.clone().try_acquire_owned() {
+            Ok(permit) => Held::Slot(permit),
+            Err(_) => {
+                gate.debt.fetch_add(1, Ordering::AcqRel);
+                gate.metrics.admission_overdrawn();
+                Held::Credit
             }
-            None => gate.metrics.admission_overdrawn(),
-        }
+        };
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        // Never held across an await: a poisoned lock is only a panicked give-back or take.
+        self.0.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let held = std::mem::replace(
+            self.held.get_mut().unwrap_or_else(|e| e.into_inner()),
+            Held::Away,
+        );
+        self.gate.let_go(held);
     }
 }
 
@@ -128,6 +146,8 @@ impl Admitted {
 #[derive(Clone)]
 pub struct AdmissionLayer {
     slots: Arc<Semaphore>,
+    /// Slots taken on credit and not yet paid back by a slot let go.
+    debt: Arc<AtomicUsize>,
     wait: Duration,
     metrics: Metrics,
 }
@@ -138,6 +158,7 @@ impl AdmissionLayer {
     pub fn new(limit: u32, wait: Duration, metrics: Metrics) -> Self {
         Self {
             slots: Arc::new(Semaphore::new(limit.max(1) as usize)),
+            debt: Arc::new(AtomicUsize::new(0)),
             wait,
             metrics,
         }
@@ -187,7 +208,7 @@ where
             };
             let admitted = Admitted(Arc::new(Slot {
                 gate: gate.clone(),
-                permit: Mutex::new(Some(permit)),
+                held: Mutex::new(Held::Slot(permit)),
             }));
             request.extensions_mut().insert(admitted.clone());
             let response = inner.call(request).await;
@@ -199,6 +220,25 @@ where
 }
 
 impl AdmissionLayer {
+    /// Lets go of what a request held: a slot goes to a request on credit if one waits for it
+    /// (forgotten by the semaphore: it stands for that request's from now on), else back to
+    /// the gate; a slot on credit cancels a debt not yet paid, or else returns the slot that
+    /// paid it.
+    fn let_go(&self, held: Held) {
+        let paid = || {
+            self.debt
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| d.checked_sub(1))
+                .is_ok()
+        };
+        match held {
+            Held::Slot(permit) if paid() => permit.forget(),
+            Held::Slot(permit) => drop(permit),
+            Held::Credit if paid() => {}
+            Held::Credit => self.slots.add_permits(1),
+            Held::Away => {}
+        }
+    }
+
     /// A slot: at once when one is free, else the first freed within the wait (the semaphore
     /// hands slots out in arrival order), else none.
     async fn admit(&self) -> Option<OwnedSemaphorePermit> {
@@ -274,59 +314,55 @@ mod tests {
         assert!(metrics.render(None).contains("http_requests_shed_total 0"));
     }
 
-    #[tokio::test]
-    async fn a_request_away_leaves_its_slot_and_comes_back_unshed_when_none_frees() {
+    /// An admitted request of `gate`, holding its one free slot.
+    fn admitted(gate: &AdmissionLayer) -> Admitted {
+        let permit = gate.slots.clone().try_acquire_owned().unwrap();
+        Admitted(Arc::new(Slot {
+            gate: gate.clone(),
+            held: Mutex::new(Held::Slot(permit)),
+        }))
+    }
+
+    #[test]
+    fn a_request_back_to_no_free_slot_goes_on_on_credit_and_the_next_slot_let_go_is_its() {
         let metrics = Metrics::default();
         let gate = AdmissionLayer::new(1, Duration::from_millis(10), metrics.clone());
-        // A request away from the database, its slot given back until `back` is sent; it hands
-        // its slot out once back.
-        let (back, coming_back) = tokio::sync::oneshot::channel::<()>();
-        let (returned, has_returned) = tokio::sync::oneshot::channel();
-        let (coming_back, returned) = (
-            Arc::new(Mutex::new(Some(coming_back))),
-            Arc::new(Mutex::new(Some(returned))),
-        );
-        let away = gate.layer(tower::service_fn(move |request: Request| {
-            let slot = request.extensions().get::<Admitted>().unwrap().clone();
-            let coming_back = coming_back.lock().unwrap().take().unwrap();
-            let returned = returned.lock().unwrap().take().unwrap();
-            async move {
-                slot.away(async { coming_back.await.unwrap() }).await;
-                returned.send(slot).ok();
-                Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
-            }
-        }));
-        // Another request of the same gate, holding its slot until `go`.
-        let (entered, mut entries) = mpsc::unbounded_channel();
-        let (go, gone) = watch::channel(false);
-        let holder = gate.layer(tower::service_fn(move |_: Request| {
-            let (entered, mut gone) = (entered.clone(), gone.clone());
-            async move {
-                entered.send(()).unwrap();
-                gone.wait_for(|go| *go).await.unwrap();
-                Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
-            }
-        }));
-        let away = tokio::spawn(away.oneshot(request()));
-        // While the first is away, the other takes the one slot, and keeps it.
-        let holder = tokio::spawn(holder.oneshot(request()));
-        entries.recv().await.unwrap();
-        // Back, the first finds none free within the wait and goes on without one: not shed.
-        back.send(()).unwrap();
-        let slot = has_returned.await.unwrap();
-        assert!(slot.0.permit.lock().unwrap().is_none(), "no slot taken");
-        assert_eq!(away.await.unwrap().unwrap().status(), 200);
+        let back = admitted(&gate);
+        back.give_back();
+        // While it is away, another request takes the one slot.
+        let other = admitted(&gate);
+        // Back, it finds none free and goes on at once, on credit: not shed.
+        back.take_again();
+        assert!(matches!(*back.held(), Held::Credit));
         let rendered = metrics.render(None);
         assert!(
             rendered.contains("http_admission_overdrawn_total 1"),
             "{rendered}"
         );
-        assert!(
-            rendered.contains("http_requests_shed_total 0"),
-            "{rendered}"
+        // The slot the other lets go pays the debt: no new request gets it.
+        drop(other);
+        assert_eq!(gate.slots.available_permits(), 0);
+        // Done, the request on credit hands that slot back to the gate.
+        drop(back);
+        assert_eq!(gate.slots.available_permits(), 1);
+        assert_eq!(gate.debt.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_debt_not_yet_paid_is_cancelled_when_the_request_on_credit_ends_first() {
+        let gate = AdmissionLayer::new(1, Duration::from_millis(10), Metrics::default());
+        let back = admitted(&gate);
+        back.give_back();
+        let other = admitted(&gate);
+        back.take_again();
+        drop(back);
+        assert_eq!(gate.debt.load(Ordering::Acquire), 0);
+        drop(other);
+        assert_eq!(
+            gate.slots.available_permits(),
+            1,
+            "the gate has its one slot"
         );
-        go.send_replace(true);
-        assert_eq!(holder.await.unwrap().unwrap().status(), 200);
     }
 
     #[tokio::test]

@@ -234,8 +234,7 @@ pub struct HttpArgs {
     pub body_read_timeout: Duration,
     /// Longest time to answer one request, its body included; past it the client gets 503 with
     /// `Retry-After` (a booking goes on in its own task and is found by the retry). Must exceed
-    /// the gateway timeout plus twice the admission wait (a booking gives its slot back while
-    /// the gateway works, and may wait for one again after).
+    /// the gateway timeout plus the admission wait.
     #[arg(long, env = "HTTP_REQUEST_TIMEOUT", value_parser = parse_duration,
           default_value = "30s")]
     pub request_timeout: Duration,
@@ -253,7 +252,7 @@ pub struct HttpArgs {
     /// most. Default: --max-connections, the pool's size. A request that finds every slot
     /// taken waits at most --admission-wait, then gets 503 with `Retry-After`; it has written
     /// nothing. A booking gives its slot back while it waits on the gateway or on another
-    /// request (`Prefer: wait`), and takes one again after, never shed. A limit at or above
+    /// request (`Prefer: wait`), and takes one again after, at once and never shed. A limit at or above
     /// --http-max-in-flight leaves only that bound.
     #[arg(long, env = "ADMISSION_LIMIT",
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -320,11 +319,10 @@ pub fn validate_http(http: &HttpArgs, gateway: &GatewayArgs) -> Result<(), Strin
             http.admission_wait
         ));
     }
-    if http.request_timeout <= gateway.gateway_timeout + 2 * http.admission_wait {
+    if http.request_timeout <= gateway.gateway_timeout + http.admission_wait {
         return Err(format!(
-            "--request-timeout ({:?}) must exceed --gateway-timeout ({:?}) plus twice \
-             --admission-wait ({:?}): a booking may wait for its slot, then on the gateway, then \
-             for a slot again, within its request",
+            "--request-timeout ({:?}) must exceed --gateway-timeout ({:?}) plus --admission-wait \
+             ({:?}): a booking may wait for its slot, then on the gateway, within its request",
             http.request_timeout, gateway.gateway_timeout, http.admission_wait
         ));
     }
@@ -778,7 +776,7 @@ mod tests {
                     request_timeout: gateway.gateway_timeout + Duration::from_millis(100),
                     ..Default::default()
                 },
-                "plus twice --admission-wait",
+                "plus --admission-wait",
             ),
             (
                 HttpArgs {

@@ -6,7 +6,7 @@
 //! | `http_requests_total` | counter | `method` (unknown methods are `OTHER`), `route` (the template, `unmatched` for none), `status` |
 //! | `http_request_duration_seconds` | histogram | `method`, `route`, `status` |
 //! | `http_requests_shed_total`, `http_requests_timed_out_total` | counter | requests answered 503 by the edge: too many in flight or no admission slot within `--admission-wait`, past the deadline |
-//! | `http_admission_overdrawn_total` | counter | admitted bookings that found no slot free within `--admission-wait` when they came back from the gateway or a wait, and went on without one (never shed half-way) |
+//! | `http_admission_overdrawn_total` | counter | admitted bookings that came back from the gateway or a wait to no free slot and went on on credit, paid back by the next slot let go (never shed half-way) |
 //! | `http_connections_open` | gauge | |
 //! | `http_connections_refused_total` | counter | connections answered 503 and closed: too many open |
 //! | `idempotency_claims_total` | counter | `outcome`: acquired, replayed, mismatch, in_flight |
@@ -271,7 +271,7 @@ impl Default for Metrics {
             admission_overdrawn: add(
                 &mut r,
                 "http_admission_overdrawn",
-                "Admitted bookings that came back from the gateway or a wait to no free admission slot within the wait, and went on without one",
+                "Admitted bookings that came back from the gateway or a wait to no free admission slot and went on on credit",
                 Counter::default(),
             ),
             connections_open: add(

@@ -110,8 +110,8 @@ struct Waiting<'a> {
     key: &'a IdempotencyKey,
     params: &'a serde_json::Value,
     deadline: Instant,
-    /// The request's admission slot: given back while it waits, taken again (never shed)
-    /// before it runs the booking again.
+    /// The request's admission slot: given back while it waits, taken again (at once, never
+    /// shed) before it runs the booking again.
     slot: Option<&'a Admitted>,
 }
 
@@ -158,7 +158,7 @@ impl Waiting<'_> {
                 }
                 KeyState::Absent | KeyState::Mismatch | KeyState::Claimable => {
                     if let Some(slot) = self.slot {
-                        slot.take_again().await;
+                        slot.take_again();
                     }
                     let request =
                         Request::new(self.owner.clone(), self.key.clone(), self.params.clone());
