@@ -5,7 +5,6 @@
 use std::time::Instant;
 
 use idempotency::{Advance, Halt, Step, StoredResponse};
-use idempotency_axum::Problem;
 use serde_json::json;
 
 use super::error::{db, BookingError};
@@ -224,13 +223,9 @@ impl Charging<'_> {
             json!({ "code": code }),
         )
         .await?;
-        let problem = Problem::new(
-            http::StatusCode::PAYMENT_REQUIRED,
-            types::PAYMENT_DECLINED,
-            "Payment declined",
-        )
-        .with_detail(format!("the card was declined: {message}"))
-        .with_extension("decline_code", code.into());
+        let problem = crate::contract::problem(types::PAYMENT_DECLINED)
+            .with_detail(format!("the card was declined: {message}"))
+            .with_extension("decline_code", code.into());
         Ok(Advance::Finish(problem.into()))
     }
 
@@ -274,16 +269,12 @@ impl Charging<'_> {
             gateway_error.clone(),
         )
         .await?;
-        let problem = Problem::new(
-            http::StatusCode::BAD_GATEWAY,
-            types::PAYMENT_REFUSED,
-            "Payment refused by the gateway",
-        )
-        .with_detail(format!(
-            "the payment gateway refused the charge: {}",
-            redact_secrets(&refusal.message)
-        ))
-        .with_extension("gateway_error", gateway_error);
+        let problem = crate::contract::problem(types::PAYMENT_REFUSED)
+            .with_detail(format!(
+                "the payment gateway refused the charge: {}",
+                redact_secrets(&refusal.message)
+            ))
+            .with_extension("gateway_error", gateway_error);
         state.metrics.payment_refused();
         Ok(Advance::Finish(problem.into()))
     }

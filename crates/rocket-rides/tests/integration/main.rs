@@ -5,6 +5,7 @@ mod adversary;
 mod attack_session;
 mod citus_rules;
 mod common;
+mod contract;
 mod distribution;
 mod doubt;
 mod edge;
