@@ -95,11 +95,15 @@ const CHARGE_OUTCOMES: [&str; 8] = [
 impl ChargeOutcome {
     /// The outcome of one call's result.
     pub fn of(result: &Result<crate::stripe::Charge, crate::stripe::ChargeError>) -> Self {
-        use crate::stripe::ChargeError;
+        use crate::stripe::{ChargeError, ChargeStatus};
         match result {
-            Ok(charge) if charge.status == "pending" => Self::Pending,
-            Ok(charge) if charge.status == "failed" => Self::Declined,
-            Ok(_) => Self::Charged,
+            Ok(charge) => match charge.status {
+                ChargeStatus::Pending => Self::Pending,
+                ChargeStatus::Failed => Self::Declined,
+                ChargeStatus::Succeeded => Self::Charged,
+                // Answered 503 and asked again, as an unavailable gateway.
+                ChargeStatus::Unknown => Self::Unavailable,
+            },
             Err(ChargeError::Declined { .. }) => Self::Declined,
             Err(ChargeError::Refused(_)) => Self::Refused,
             Err(ChargeError::Misconfigured(_)) => Self::Misconfigured,

@@ -13,7 +13,7 @@ use super::target::{Charging, Found, RidePoint};
 use crate::metrics::GatewayCall;
 use crate::problem::types;
 use crate::ride::RideView;
-use crate::stripe::{Charge, ChargeError, Refusal};
+use crate::stripe::{Charge, ChargeError, ChargeStatus, Refusal};
 
 impl Charging<'_> {
     /// A charge the gateway showed for this ride: paid, pending or failed by its status.
@@ -41,21 +41,21 @@ impl Charging<'_> {
             ))
             .into());
         }
-        match charge.status.as_str() {
-            "succeeded" => {
+        match charge.status {
+            ChargeStatus::Succeeded => {
                 super::error::crash_point(
                     self.rider.state,
                     crate::failpoints::AFTER_GATEWAY_CHARGE,
                 );
                 self.paid(step, &charge, found).await
             }
-            "pending" => {
+            ChargeStatus::Pending => {
                 if step.lease().await?.recovery_point() == RidePoint::RideCreated {
                     self.record_pending(step, &charge).await?;
                 }
                 Err(BookingError::PaymentPending(charge.id).into())
             }
-            "failed" => {
+            ChargeStatus::Failed => {
                 let code = charge.failure_code.as_deref().unwrap_or("card_declined");
                 let message = charge
                     .failure_message
@@ -63,8 +63,8 @@ impl Charging<'_> {
                     .unwrap_or("the card was declined");
                 self.declined(step, code, message).await
             }
-            other => Err(BookingError::GatewayUnavailable(format!(
-                "charge {} is in a status this build does not know: {other:?}",
+            ChargeStatus::Unknown => Err(BookingError::GatewayUnavailable(format!(
+                "charge {} is in a status this build does not know",
                 charge.id
             ))
             .into()),
