@@ -72,14 +72,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::bounds::{INTERMEDIARY_STATUSES, MAX_LATENCY_MS};
 use crate::scripted::{InvalidScript, Scripted, Scripts};
-
-/// The largest `latency_ms + jitter_ms` accepted.
-///
-/// Latency is spent while the request holds its idempotency key's lease, so it must stay well
-/// below [`crate::LEASE_TTL`]: otherwise a slow request would lose its lease to a retry and
-/// fail at commit.
-pub const MAX_LATENCY_MS: u64 = 20_000;
 
 /// The faults to inject, settable at start and at run time (`PUT /faults`).
 ///
@@ -293,17 +287,6 @@ pub(crate) enum BeforeCharge {
     /// 500 before anything is written, as a script said ([`Scripted::FailBefore`]).
     ScriptedFailBefore,
 }
-
-/// The statuses an intermediary answers with on its own: a proxy that cannot parse or route the
-/// request (400, 404, as during a bad deploy of its configuration), or that cannot reach the
-/// gateway or gave up waiting for it (502, 503, 504).
-pub(crate) const INTERMEDIARY_STATUSES: [StatusCode; 5] = [
-    StatusCode::BAD_REQUEST,
-    StatusCode::NOT_FOUND,
-    StatusCode::BAD_GATEWAY,
-    StatusCode::SERVICE_UNAVAILABLE,
-    StatusCode::GATEWAY_TIMEOUT,
-];
 
 /// An answer an intermediary in front of the gateway gives on its own: one of
 /// [`INTERMEDIARY_STATUSES`] and one of two body forms, never Stripe's error object.

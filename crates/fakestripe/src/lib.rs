@@ -51,6 +51,7 @@ mod admin;
 mod api_error;
 mod app;
 mod auth;
+mod bounds;
 mod charges;
 mod customers;
 mod db;
@@ -68,13 +69,14 @@ mod tls;
 
 pub use admin::admin_router;
 pub use app::{router, serve, REQUEST_ID};
+pub use bounds::MAX_LATENCY_MS;
 pub use charges::{MAX_AMOUNT, MIN_USD_AMOUNT};
 pub use db::{
     all_charges, charge_by_id, charges_of_customer, connect, connect_with, count_charges, migrate,
     SCHEMA,
 };
 pub use error::Error;
-pub use faults::{FaultCounters, Faults, InvalidFaults, MAX_LATENCY_MS};
+pub use faults::{FaultCounters, Faults, InvalidFaults};
 pub use model::Charge;
 pub use scripted::{InvalidScript, Scripted, MAX_SCRIPTED_ACTIONS};
 pub use state::{forget_expired_keys, AppState, DEFAULT_IDEMPOTENCY_KEY_TTL, LEASE_TTL};

@@ -36,7 +36,7 @@ use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::faults::MAX_LATENCY_MS;
+use crate::bounds::{INTERMEDIARY_STATUSES, MAX_LATENCY_MS};
 
 /// The most actions that may wait for one customer: a bound on what a runaway test can queue.
 pub const MAX_SCRIPTED_ACTIONS: usize = 10_000;
@@ -186,9 +186,7 @@ impl Scripted {
             Self::Hold { ms } if ms > MAX_LATENCY_MS => Err(InvalidScript::HoldTooLong(ms)),
             Self::Hold { .. } => Ok(()),
             Self::Intermediary { status, .. } => {
-                let known = crate::faults::INTERMEDIARY_STATUSES
-                    .iter()
-                    .any(|s| s.as_u16() == status);
+                let known = INTERMEDIARY_STATUSES.iter().any(|s| s.as_u16() == status);
                 if known {
                     Ok(())
                 } else {

@@ -146,11 +146,24 @@ pub async fn check(pool: &sqlx::PgPool) -> Result<(), crate::Error> {
 /// the synchronous standby was cancelled, so that a write a failover may lose (a revoked
 /// credential, a limit lowered) is not reported done. The outcome is then unknown: tell the
 /// caller so, and let it run the write again.
+/// The store's phases commit through it too.
 pub async fn commit(
     tx: sqlx::Transaction<'static, sqlx::Postgres>,
     context: impl Into<String>,
 ) -> Result<(), crate::Error> {
-    crate::store::commit(tx, context.into()).await
+    let context = context.into();
+    let (committed, cancelled) = watched(tx.commit()).await;
+    committed.map_err(crate::Error::db(context.clone()))?;
+    unless_cancelled(cancelled, context)
+}
+
+/// The answer of a write that committed on its own (an autocommit statement), given whether
+/// the server reported its wait for the synchronous standby cancelled.
+pub(crate) fn unless_cancelled(cancelled: bool, context: String) -> Result<(), crate::Error> {
+    if cancelled {
+        return Err(crate::Error::CommitUnconfirmed { context });
+    }
+    Ok(())
 }
 
 /// Runs `commit` and tells whether the server warned, while it ran, that its wait for the

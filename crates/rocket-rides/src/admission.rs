@@ -5,9 +5,11 @@
 //!
 //! ```text
 //!  request ──slot free?──yes──────────────────────────► handler (auth, claim, booking task)
-//!                  │                                        holds the slot until its booking
-//!                  └─no──wait ≤ --admission-wait──slot──┘   task ends, not its connection
-//!                                     │
+//!                  │                                        │ holds the slot while it uses the
+//!                  └─no──wait ≤ --admission-wait──slot──┘   │ database; gives it back while it
+//!                                     │                     │ waits on the gateway or on another
+//!                                     │                     │ holder (Prefer: wait), and takes
+//!                                     │                     ▼ one again after, never shed
 //!                                     └─none──► 503 over-capacity, Retry-After: nothing written
 //! ```
 //!
@@ -19,6 +21,22 @@
 //! wait is bounded, so the queue is too: at most the arrivals of one `--admission-wait` wait at
 //! once.
 //! `--http-max-in-flight` stays the outer bound of the whole edge.
+//!
+//! # A slot is for the database, not for the gateway
+//!
+//! A booking waiting on the gateway, or a duplicate waiting for another request's answer
+//! (`Prefer: wait`), holds no pooled connection: were it to keep its slot, a slow gateway would
+//! bring the gate's capacity down to its limit divided by the gateway's time, and shed replays
+//! and reads that need the database for a millisecond behind bookings that use none of it. So
+//! the booking gives its slot back across each gateway call ([`Admitted::away`]) and the handler
+//! across a `Prefer: wait`, and each takes one again after. Taking it again is never a shed,
+//! nor a wait: a booking admitted once may have charged meanwhile, its answer must not be a
+//! capacity 503, and finishing a booking already started comes before starting a new one. So
+//! a booking that comes back to no free slot goes on at once on credit (counted as
+//! `http_admission_overdrawn_total`), and the next slot any request lets go pays the debt: it
+//! is not handed to a new request. The gate's count is exceeded by at most the bookings back
+//! from the gateway at one instant, and only until as many slots are let go; the pool's own
+//! bound still holds meanwhile.
 //!
 //! The gate is on the routes that use the database on a client's behalf (`POST /rides`,
 //! `GET /rides/{id}`, the benchmark's baseline), never on `/healthz`, `/readyz`, `/metrics` or
@@ -37,7 +55,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -51,15 +70,84 @@ use crate::problem::ApiError;
 
 /// A slot of the gate, held by an admitted request: put in the request's extensions, so that
 /// work the handler detaches from the connection (the booking's task) takes it along and the
-/// slot is freed only once that work is done. Cloning shares the one slot.
+/// slot is freed only once that work is done. Cloning shares the one slot: given back
+/// ([`Admitted::away`]) by one clone, it is given back for all.
 #[derive(Clone)]
-pub struct Admitted(#[allow(dead_code)] Arc<OwnedSemaphorePermit>);
+pub struct Admitted(Arc<Slot>);
+
+struct Slot {
+    gate: AdmissionLayer,
+    held: Mutex<Held>,
+}
+
+/// What an admitted request holds of the gate.
+enum Held {
+    /// A slot.
+    Slot(OwnedSemaphorePermit),
+    /// A slot on credit: the request came back to none free, and the next slot let go is its.
+    Credit,
+    /// Nothing: the request is away from the database.
+    Away,
+}
+
+impl Admitted {
+    /// Runs `work`, which uses no pooled connection (a gateway call), with the slot given
+    /// back; then takes one again ([`Admitted::take_again`]). Dropped half-way (the booking
+    /// given up), the slot simply stays given back.
+    pub async fn away<T>(&self, work: impl Future<Output = T>) -> T {
+        self.give_back();
+        let out = work.await;
+        self.take_again();
+        out
+    }
+
+    /// Gives the slot back, if held, for as long as the request uses no pooled connection.
+    pub fn give_back(&self) {
+        let held = std::mem::replace(&mut *self.held(), Held::Away);
+        self.0.gate.let_go(held);
+    }
+
+    /// Takes a slot again after [`Admitted::give_back`], at once and never shed: a free one,
+    /// or, when none is, one on credit (the module's doc says why). A slot still held is kept.
+    pub fn take_again(&self) {
+        let mut held = self.held();
+        if !matches!(*held, Held::Away) {
+            return;
+        }
+        let gate = &self.0.gate;
+        *held = match gate.slots.clone().try_acquire_owned() {
+            Ok(permit) => Held::Slot(permit),
+            Err(_) => {
+                gate.debt.fetch_add(1, Ordering::AcqRel);
+                gate.metrics.admission_overdrawn();
+                Held::Credit
+            }
+        };
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        // Never held across an await: a poisoned lock is only a panicked give-back or take.
+        self.0.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let held = std::mem::replace(
+            self.held.get_mut().unwrap_or_else(|e| e.into_inner()),
+            Held::Away,
+        );
+        self.gate.let_go(held);
+    }
+}
 
 /// The gate as a tower layer ([`AdmissionLayer::new`]); one gate, shared by every route it
 /// wraps.
 #[derive(Clone)]
 pub struct AdmissionLayer {
     slots: Arc<Semaphore>,
+    /// Slots taken on credit and not yet paid back by a slot let go.
+    debt: Arc<AtomicUsize>,
     wait: Duration,
     metrics: Metrics,
 }
@@ -70,6 +158,7 @@ impl AdmissionLayer {
     pub fn new(limit: u32, wait: Duration, metrics: Metrics) -> Self {
         Self {
             slots: Arc::new(Semaphore::new(limit.max(1) as usize)),
+            debt: Arc::new(AtomicUsize::new(0)),
             wait,
             metrics,
         }
@@ -117,7 +206,10 @@ where
                 gate.metrics.request_shed();
                 return Ok(ApiError::OverCapacity.into_response());
             };
-            let admitted = Admitted(Arc::new(permit));
+            let admitted = Admitted(Arc::new(Slot {
+                gate: gate.clone(),
+                held: Mutex::new(Held::Slot(permit)),
+            }));
             request.extensions_mut().insert(admitted.clone());
             let response = inner.call(request).await;
             // Held until the answer is made, whatever the handler did with the request's copy.
@@ -128,6 +220,25 @@ where
 }
 
 impl AdmissionLayer {
+    /// Lets go of what a request held: a slot goes to a request on credit if one waits for it
+    /// (forgotten by the semaphore: it stands for that request's from now on), else back to
+    /// the gate; a slot on credit cancels a debt not yet paid, or else returns the slot that
+    /// paid it.
+    fn let_go(&self, held: Held) {
+        let paid = || {
+            self.debt
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| d.checked_sub(1))
+                .is_ok()
+        };
+        match held {
+            Held::Slot(permit) if paid() => permit.forget(),
+            Held::Slot(permit) => drop(permit),
+            Held::Credit if paid() => {}
+            Held::Credit => self.slots.add_permits(1),
+            Held::Away => {}
+        }
+    }
+
     /// A slot: at once when one is free, else the first freed within the wait (the semaphore
     /// hands slots out in arrival order), else none.
     async fn admit(&self) -> Option<OwnedSemaphorePermit> {
@@ -201,6 +312,57 @@ mod tests {
         assert_eq!(second.await.unwrap().status(), 200);
         assert!(entries.recv().await.is_some(), "the second entered");
         assert!(metrics.render(None).contains("http_requests_shed_total 0"));
+    }
+
+    /// An admitted request of `gate`, holding its one free slot.
+    fn admitted(gate: &AdmissionLayer) -> Admitted {
+        let permit = gate.slots.clone().try_acquire_owned().unwrap();
+        Admitted(Arc::new(Slot {
+            gate: gate.clone(),
+            held: Mutex::new(Held::Slot(permit)),
+        }))
+    }
+
+    #[test]
+    fn a_request_back_to_no_free_slot_goes_on_on_credit_and_the_next_slot_let_go_is_its() {
+        let metrics = Metrics::default();
+        let gate = AdmissionLayer::new(1, Duration::from_millis(10), metrics.clone());
+        let back = admitted(&gate);
+        back.give_back();
+        // While it is away, another request takes the one slot.
+        let other = admitted(&gate);
+        // Back, it finds none free and goes on at once, on credit: not shed.
+        back.take_again();
+        assert!(matches!(*back.held(), Held::Credit));
+        let rendered = metrics.render(None);
+        assert!(
+            rendered.contains("http_admission_overdrawn_total 1"),
+            "{rendered}"
+        );
+        // The slot the other lets go pays the debt: no new request gets it.
+        drop(other);
+        assert_eq!(gate.slots.available_permits(), 0);
+        // Done, the request on credit hands that slot back to the gate.
+        drop(back);
+        assert_eq!(gate.slots.available_permits(), 1);
+        assert_eq!(gate.debt.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_debt_not_yet_paid_is_cancelled_when_the_request_on_credit_ends_first() {
+        let gate = AdmissionLayer::new(1, Duration::from_millis(10), Metrics::default());
+        let back = admitted(&gate);
+        back.give_back();
+        let other = admitted(&gate);
+        back.take_again();
+        drop(back);
+        assert_eq!(gate.debt.load(Ordering::Acquire), 0);
+        drop(other);
+        assert_eq!(
+            gate.slots.available_permits(),
+            1,
+            "the gate has its one slot"
+        );
     }
 
     #[tokio::test]

@@ -251,7 +251,9 @@ pub struct HttpArgs {
     /// Requests that use the database (`POST /rides`, `GET /rides/{id}`) admitted at once at
     /// most. Default: --max-connections, the pool's size. A request that finds every slot
     /// taken waits at most --admission-wait, then gets 503 with `Retry-After`; it has written
-    /// nothing. A limit at or above --http-max-in-flight leaves only that bound.
+    /// nothing. A booking gives its slot back while it waits on the gateway or on another
+    /// request (`Prefer: wait`), and takes one again after, at once and never shed. A limit at or above
+    /// --http-max-in-flight leaves only that bound.
     #[arg(long, env = "ADMISSION_LIMIT",
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub admission_limit: Option<u32>,
@@ -268,7 +270,10 @@ pub const DEFAULT_ADMISSION_WAIT: Duration = Duration::from_millis(200);
 
 /// The longest `--admission-wait`: a client told by a shed to come back after this long
 /// (`Retry-After: 1`) would do better to come back than to wait longer in the queue.
-pub const MAX_ADMISSION_WAIT: Duration = crate::problem::OVERLOAD_RETRY_AFTER;
+pub const MAX_ADMISSION_WAIT: Duration = OVERLOAD_RETRY_AFTER;
+
+/// How long a client should wait after the server shed its request or connection.
+pub const OVERLOAD_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 impl HttpArgs {
     /// The admission gate's slots: `--admission-limit`, or the pool's `max_connections`.

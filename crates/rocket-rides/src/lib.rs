@@ -12,7 +12,8 @@
 //! | the admission gate: requests that use the database, as many as the pool serves | [`admission`] |
 //! | API keys | [`auth`] |
 //! | the Stripe client and its error classes | [`stripe`] |
-//! | errors as problem+json | [`problem`] |
+//! | the HTTP contract's failures, each defined once (status, type, `Retry-After`, stored) | [`contract`] |
+//! | errors as problem+json, built from the contract | [`problem`] |
 //! | settings and their relations | [`config`] |
 //! | counters and histograms, the OpenAPI document | [`metrics`], [`openapi`] |
 //! | graceful shutdown in two steps | [`shutdown`] |
@@ -29,6 +30,7 @@ pub mod auth;
 pub mod booking;
 pub mod cli;
 pub mod config;
+pub mod contract;
 pub mod db;
 pub mod failpoints;
 pub mod handlers;

@@ -6,6 +6,7 @@
 //! | `http_requests_total` | counter | `method` (unknown methods are `OTHER`), `route` (the template, `unmatched` for none), `status` |
 //! | `http_request_duration_seconds` | histogram | `method`, `route`, `status` |
 //! | `http_requests_shed_total`, `http_requests_timed_out_total` | counter | requests answered 503 by the edge: too many in flight or no admission slot within `--admission-wait`, past the deadline |
+//! | `http_admission_overdrawn_total` | counter | admitted bookings that came back from the gateway or a wait to no free slot and went on on credit, paid back by the next slot let go (never shed half-way) |
 //! | `http_connections_open` | gauge | |
 //! | `http_connections_refused_total` | counter | connections answered 503 and closed: too many open |
 //! | `idempotency_claims_total` | counter | `outcome`: acquired, replayed, mismatch, in_flight |
@@ -94,11 +95,15 @@ const CHARGE_OUTCOMES: [&str; 8] = [
 impl ChargeOutcome {
     /// The outcome of one call's result.
     pub fn of(result: &Result<crate::stripe::Charge, crate::stripe::ChargeError>) -> Self {
-        use crate::stripe::ChargeError;
+        use crate::stripe::{ChargeError, ChargeStatus};
         match result {
-            Ok(charge) if charge.status == "pending" => Self::Pending,
-            Ok(charge) if charge.status == "failed" => Self::Declined,
-            Ok(_) => Self::Charged,
+            Ok(charge) => match charge.status {
+                ChargeStatus::Pending => Self::Pending,
+                ChargeStatus::Failed => Self::Declined,
+                ChargeStatus::Succeeded => Self::Charged,
+                // Answered 503 and asked again, as an unavailable gateway.
+                ChargeStatus::Unknown => Self::Unavailable,
+            },
             Err(ChargeError::Declined { .. }) => Self::Declined,
             Err(ChargeError::Refused(_)) => Self::Refused,
             Err(ChargeError::Misconfigured(_)) => Self::Misconfigured,
@@ -217,6 +222,7 @@ struct Inner {
     http_duration: Histograms<HttpLabels>,
     requests_shed: Counter,
     requests_timed_out: Counter,
+    admission_overdrawn: Counter,
     connections_open: Gauge,
     connections_refused: Counter,
     claims: Family<OutcomeLabel, Counter>,
@@ -264,6 +270,12 @@ impl Default for Metrics {
                 &mut r,
                 "http_requests_timed_out",
                 "Requests answered 503 because they ran past the request deadline",
+                Counter::default(),
+            ),
+            admission_overdrawn: add(
+                &mut r,
+                "http_admission_overdrawn",
+                "Admitted bookings that came back from the gateway or a wait to no free admission slot and went on on credit",
                 Counter::default(),
             ),
             connections_open: add(
@@ -411,6 +423,11 @@ impl Metrics {
     /// Counts a request shed by the edge.
     pub fn request_shed(&self) {
         self.0.requests_shed.inc();
+    }
+
+    /// Counts an admitted booking that went on without a slot (see [`crate::admission`]).
+    pub fn admission_overdrawn(&self) {
+        self.0.admission_overdrawn.inc();
     }
 
     /// Counts a request stopped at its deadline.

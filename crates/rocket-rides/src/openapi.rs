@@ -12,7 +12,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{RefOr, Schema};
 use utoipa::{Modify, OpenApi};
 
-use crate::problem::types;
+use crate::contract::{types, Failure, RetryAfter, Routes, FAILURES};
 
 /// The document's fixed parts; the paths come from the router (`crate::app::router`).
 #[derive(OpenApi)]
@@ -22,6 +22,8 @@ use crate::problem::types;
         description = "Book a ride and charge a card, effectively once per Idempotency-Key."
     ),
     modifiers(&ApiKeyAuth),
+    // Every failure's body; the failures themselves are added from the contract (`Edge`).
+    components(schemas(crate::problem::ProblemDocument)),
     tags(
         (name = "rides", description = "Booking and reading rides"),
         (name = "operations", description = "Liveness, readiness, this document; metrics only when served on this listener")
@@ -42,29 +44,36 @@ impl Modify for ApiKeyAuth {
     }
 }
 
-/// Completes the document once the router has added its paths and their schemas: the edge's
-/// answers on every route, the key's grammar, and the closed list of problem types.
+/// Completes the document once the router has added its paths and their schemas: each
+/// operation's failures from the HTTP contract's table (`contract.rs`), the HTTP server's own
+/// answers, the key's grammar, and the closed list of problem types.
 pub fn complete(doc: &mut utoipa::openapi::OpenApi) {
     Edge.modify(doc);
 }
 
-/// What every route may answer besides its own statuses, from the edge (the server loop and the
-/// router's layers); the key's grammar; and the closed list of problem types.
+/// Each operation's failures, from the contract; what the HTTP server answers itself; the key's
+/// grammar; and the closed list of problem types.
 struct Edge;
 
 impl Modify for Edge {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        for item in openapi.paths.paths.values_mut() {
+        for (path, item) in openapi.paths.paths.iter_mut() {
             let operations = [
-                &mut item.get,
-                &mut item.post,
-                &mut item.put,
-                &mut item.delete,
-                &mut item.patch,
+                ("get", &mut item.get),
+                ("post", &mut item.post),
+                ("put", &mut item.put),
+                ("delete", &mut item.delete),
+                ("patch", &mut item.patch),
             ];
-            for operation in operations.into_iter().flatten() {
+            for (method, operation) in operations {
+                let Some(operation) = operation else {
+                    continue;
+                };
                 let takes_body = operation.request_body.is_some();
-                edge_responses(operation, takes_body);
+                failures(operation, |routes| {
+                    answers(routes, method, path, takes_body)
+                });
+                server_answers(operation);
                 key_pattern(operation);
             }
         }
@@ -82,36 +91,83 @@ impl Modify for Edge {
     }
 }
 
-/// Adds the edge's answers to an operation, keeping a description the operation already has.
-fn edge_responses(operation: &mut Operation, takes_body: bool) {
-    let problem = || {
-        ContentBuilder::new()
-            .schema(Some(utoipa::openapi::Ref::from_schema_name("Problem")))
-            .build()
-    };
-    let retry_after = || {
-        HeaderBuilder::new()
-            .schema(Some(
-                ObjectBuilder::new()
-                    .schema_type(Type::Integer)
-                    .minimum(Some(1)),
-            ))
-            .description(Some("Seconds to wait"))
-            .build()
-    };
-    let problem_response = |description: &str| {
-        ResponseBuilder::new()
-            .description(description)
-            .content(idempotency_axum::PROBLEM_JSON, problem())
-            .build()
-    };
-    add(
-        operation,
-        "405",
-        problem_response(
-            "`urn:problem:rocket-rides:method-not-allowed`: another method of the path; `Allow` lists them.",
-        ),
-    );
+/// Whether the operation `method path` answers with the failures of `routes`.
+fn answers(routes: Routes, method: &str, path: &str, takes_body: bool) -> bool {
+    let booking = method == "post" && path == crate::ride::RIDES_ROUTE;
+    let read = method == "get" && path == "/rides/{id}";
+    match routes {
+        Routes::Booking => booking,
+        Routes::Read => read,
+        Routes::Rides => booking || read,
+        Routes::WithBody => takes_body,
+        Routes::Every => true,
+        Routes::Unrouted => false,
+    }
+}
+
+/// The operation's failures, one response per status, from the contract's rows
+/// ([`crate::contract::FAILURES`]): each type with its title, whether it is stored and
+/// replayed, and a `Retry-After` header when one of them carries it.
+fn failures(operation: &mut Operation, applies: impl Fn(Routes) -> bool) {
+    let mut statuses: Vec<u16> = FAILURES
+        .iter()
+        .filter(|f| applies(f.routes))
+        .map(|f| f.status)
+        .collect();
+    statuses.sort_unstable();
+    statuses.dedup();
+    for status in statuses {
+        let rows: Vec<&Failure> = FAILURES
+            .iter()
+            .filter(|f| f.status == status && applies(f.routes))
+            .collect();
+        let description: Vec<String> = rows
+            .iter()
+            .map(|f| {
+                let outcome = if f.stored {
+                    "stored and replayed"
+                } else {
+                    "not stored"
+                };
+                let retry = match f.retry_after {
+                    RetryAfter::None => "",
+                    RetryAfter::Fixed(_) | RetryAfter::Computed => "; retry after `Retry-After`",
+                };
+                format!("`{}`: {} ({outcome}{retry}).", f.kind, f.title)
+            })
+            .collect();
+        let mut response = ResponseBuilder::new()
+            .description(description.join(" "))
+            .content(idempotency_axum::PROBLEM_JSON, problem());
+        if rows.iter().any(|f| f.retry_after != RetryAfter::None) {
+            response = response.header("Retry-After", retry_after());
+        }
+        operation
+            .responses
+            .responses
+            .insert(status.to_string(), RefOr::T(response.build()));
+    }
+}
+
+fn problem() -> utoipa::openapi::Content {
+    ContentBuilder::new()
+        .schema(Some(utoipa::openapi::Ref::from_schema_name("Problem")))
+        .build()
+}
+
+fn retry_after() -> utoipa::openapi::header::Header {
+    HeaderBuilder::new()
+        .schema(Some(
+            ObjectBuilder::new()
+                .schema_type(Type::Integer)
+                .minimum(Some(1)),
+        ))
+        .description(Some("Seconds to wait"))
+        .build()
+}
+
+/// What the HTTP server itself answers, without a problem body.
+fn server_answers(operation: &mut Operation) {
     add(
         operation,
         "414",
@@ -128,40 +184,6 @@ fn edge_responses(operation: &mut Operation, takes_body: bool) {
             )
             .build(),
     );
-    let mut unavailable = ResponseBuilder::new()
-        .description(
-            "`urn:problem:rocket-rides:over-capacity` (as many requests in flight as the server \
-             takes, or no admission slot for a request that uses the database within \
-             `--admission-wait`; nothing was written) or `…:request-timeout` (past the request \
-             deadline); retry after `Retry-After`.",
-        )
-        .content(idempotency_axum::PROBLEM_JSON, problem())
-        .header("Retry-After", retry_after())
-        .build();
-    if let Some(RefOr::T(existing)) = operation.responses.responses.get("503") {
-        // The route's own 503s and the edge's share the status: one description for all.
-        unavailable.description =
-            format!("{} Or {}", existing.description, unavailable.description);
-    }
-    operation
-        .responses
-        .responses
-        .insert("503".to_owned(), RefOr::T(unavailable));
-    if takes_body {
-        add(
-            operation,
-            "413",
-            problem_response("`urn:problem:rocket-rides:body-too-large`: the body is over 16 KiB."),
-        );
-        add(
-            operation,
-            "415",
-            problem_response(
-                "`urn:problem:rocket-rides:unsupported-media-type`: the body is not sent as \
-                 `application/json`, or is encoded.",
-            ),
-        );
-    }
 }
 
 /// Adds a response to an operation that does not have one for the status.

@@ -6,91 +6,13 @@
 use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
-use http::StatusCode;
 use idempotency_axum::Problem;
 use serde_json::json;
 
+use crate::contract;
 use crate::ride::FieldError;
 
-/// The stable `type` of each problem the service answers with (the idempotency ones come from
-/// [`idempotency_axum::problem::types`]).
-pub mod types {
-    /// The body is not JSON (400).
-    pub const BAD_JSON: &str = "urn:problem:rocket-rides:bad-json";
-    /// The body is larger than accepted (413).
-    pub const BODY_TOO_LARGE: &str = "urn:problem:rocket-rides:body-too-large";
-    /// The body fails validation (400); `errors` lists the fields.
-    pub const VALIDATION: &str = "urn:problem:rocket-rides:validation";
-    /// No or unknown API key (401).
-    pub const UNAUTHORIZED: &str = "urn:problem:rocket-rides:unauthorized";
-    /// The card was declined (402).
-    pub const PAYMENT_DECLINED: &str = "urn:problem:rocket-rides:payment-declined";
-    /// No such resource for this user (404).
-    pub const NOT_FOUND: &str = "urn:problem:rocket-rides:not-found";
-    /// The gateway refused the charge for good; the request is finished (502, stored).
-    pub const PAYMENT_REFUSED: &str = "urn:problem:rocket-rides:payment-refused";
-    /// The charge is pending at the gateway; retry later (503).
-    pub const PAYMENT_PENDING: &str = "urn:problem:rocket-rides:payment-pending";
-    /// Whether an earlier attempt charged cannot be known yet: the gateway may still be working
-    /// on it. Retry after `Retry-After` (503).
-    pub const PAYMENT_UNCONFIRMED: &str = "urn:problem:rocket-rides:payment-unconfirmed";
-    /// The payment gateway is unavailable; retry (503).
-    pub const GATEWAY_UNAVAILABLE: &str = "urn:problem:rocket-rides:gateway-unavailable";
-    /// The server is shutting down; retry, another instance resumes the request (503).
-    pub const SHUTTING_DOWN: &str = "urn:problem:rocket-rides:shutting-down";
-    /// The request lost its lease to another worker, which carries on (409).
-    pub const LEASE_LOST: &str = "urn:problem:rocket-rides:lease-lost";
-    /// Something broke on our side (500).
-    pub const INTERNAL: &str = "urn:problem:rocket-rides:internal";
-    /// The body could not be read: cut off, or too slow to arrive (400).
-    pub const BAD_BODY: &str = "urn:problem:rocket-rides:bad-body";
-    /// The body's media type or encoding is not one the route takes (415).
-    pub const UNSUPPORTED_MEDIA_TYPE: &str = "urn:problem:rocket-rides:unsupported-media-type";
-    /// No route for this path (404).
-    pub const NO_ROUTE: &str = "urn:problem:rocket-rides:no-route";
-    /// The route does not take this method; `Allow` lists those it does (405).
-    pub const METHOD_NOT_ALLOWED: &str = "urn:problem:rocket-rides:method-not-allowed";
-    /// The request took longer than the server's deadline (503).
-    pub const REQUEST_TIMEOUT: &str = "urn:problem:rocket-rides:request-timeout";
-    /// The server is answering as many requests or connections as it takes (503).
-    pub const OVER_CAPACITY: &str = "urn:problem:rocket-rides:over-capacity";
-    /// The database committed the request's write but did not confirm that its synchronous
-    /// standby has it (the wait was cancelled): the outcome is not acknowledged; retry (503).
-    pub const COMMIT_UNCONFIRMED: &str = "urn:problem:rocket-rides:commit-unconfirmed";
-
-    use idempotency_axum::problem::types as key;
-
-    /// Every type the service answers with, the idempotency face's included: the OpenAPI
-    /// document's closed list.
-    pub const ALL: [&str; 26] = [
-        BAD_JSON,
-        BAD_BODY,
-        BODY_TOO_LARGE,
-        UNSUPPORTED_MEDIA_TYPE,
-        VALIDATION,
-        UNAUTHORIZED,
-        PAYMENT_DECLINED,
-        PAYMENT_REFUSED,
-        PAYMENT_PENDING,
-        PAYMENT_UNCONFIRMED,
-        NOT_FOUND,
-        NO_ROUTE,
-        METHOD_NOT_ALLOWED,
-        GATEWAY_UNAVAILABLE,
-        SHUTTING_DOWN,
-        LEASE_LOST,
-        INTERNAL,
-        REQUEST_TIMEOUT,
-        OVER_CAPACITY,
-        COMMIT_UNCONFIRMED,
-        key::KEY_MISSING,
-        key::KEY_INVALID,
-        key::KEY_REUSED,
-        key::KEY_IN_FLIGHT,
-        key::BODY_TOO_LARGE,
-        key::STORE_FAILED,
-    ];
-}
+pub use crate::contract::{types, GATEWAY_RETRY_AFTER, PENDING_RETRY_AFTER};
 
 /// The body of every error answer: RFC 9457 problem details.
 //
@@ -115,19 +37,6 @@ pub struct ProblemDocument {
     /// With `payment-refused`: what the gateway said (`status`, `type`, `code`, `param`).
     pub gateway_error: Option<serde_json::Value>,
 }
-
-/// How long a client should wait before retrying after the gateway failed.
-///
-/// Short: the lease is released at once, so the retry is not refused; the wait only spares a
-/// gateway that is struggling.
-pub const GATEWAY_RETRY_AFTER: Duration = Duration::from_secs(1);
-
-/// How long a client should wait before asking again about a pending charge: a gateway
-/// settles a pending card charge in seconds, a bank debit in days; the completer keeps asking.
-pub const PENDING_RETRY_AFTER: Duration = Duration::from_secs(5);
-
-/// How long a client should wait after the server shed its request or connection.
-pub const OVERLOAD_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Detail of the 401.
 pub const UNAUTHORIZED_DETAIL: &str = "send a valid API key as `Authorization: Bearer <key>`";
@@ -216,130 +125,63 @@ impl ApiError {
     pub fn problem(&self) -> Problem {
         match self {
             Self::BadJson(why) => {
-                Problem::new(StatusCode::BAD_REQUEST, types::BAD_JSON, "Body is not JSON")
+                contract::problem(types::BAD_JSON)
                     .with_detail(why.clone())
             }
-            Self::BadBody(why) => Problem::new(
-                StatusCode::BAD_REQUEST,
-                types::BAD_BODY,
-                "Body could not be read",
-            )
+            Self::BadBody(why) => contract::problem(types::BAD_BODY)
             .with_detail(why.clone()),
-            Self::BodyTooLarge => Problem::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                types::BODY_TOO_LARGE,
-                "Body too large",
-            )
+            Self::BodyTooLarge => contract::problem(types::BODY_TOO_LARGE)
             .with_detail(format!(
                 "the request body is larger than {} bytes",
                 crate::config::MAX_BODY_BYTES
             )),
-            Self::UnsupportedMediaType(detail) => Problem::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                types::UNSUPPORTED_MEDIA_TYPE,
-                "Unsupported media type",
-            )
+            Self::UnsupportedMediaType(detail) => contract::problem(types::UNSUPPORTED_MEDIA_TYPE)
             .with_detail(*detail),
             Self::Validation(errors) => {
                 let names: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
-                Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    types::VALIDATION,
-                    "Invalid request body",
-                )
+                contract::problem(types::VALIDATION)
                 .with_detail(format!("invalid fields: {}", names.join(", ")))
                 .with_extension("errors", json!(errors))
             }
-            Self::Unauthorized(detail) => Problem::new(
-                StatusCode::UNAUTHORIZED,
-                types::UNAUTHORIZED,
-                "Unauthorized",
-            )
+            Self::Unauthorized(detail) => contract::problem(types::UNAUTHORIZED)
             .with_detail(*detail),
-            Self::NotFound => Problem::new(StatusCode::NOT_FOUND, types::NOT_FOUND, "Not found"),
-            Self::NoRoute => Problem::new(StatusCode::NOT_FOUND, types::NO_ROUTE, "No such route")
+            Self::NotFound => contract::problem(types::NOT_FOUND),
+            Self::NoRoute => contract::problem(types::NO_ROUTE)
                 .with_detail("no route has this path; GET /openapi.json lists them"),
-            Self::MethodNotAllowed => Problem::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                types::METHOD_NOT_ALLOWED,
-                "Method not allowed",
-            )
+            Self::MethodNotAllowed => contract::problem(types::METHOD_NOT_ALLOWED)
             .with_detail("the route does not take this method; `Allow` lists those it does"),
-            Self::GatewayUnavailable(_) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                types::GATEWAY_UNAVAILABLE,
-                "Payment gateway unavailable",
-            )
+            Self::GatewayUnavailable(_) => contract::problem(types::GATEWAY_UNAVAILABLE)
             .with_detail(
                 "the payment could not be confirmed yet; retry with the same Idempotency-Key",
-            )
-            .with_retry_after(GATEWAY_RETRY_AFTER),
-            Self::PaymentPending(_) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                types::PAYMENT_PENDING,
-                "Payment pending",
-            )
+            ),
+            Self::PaymentPending(_) => contract::problem(types::PAYMENT_PENDING)
             .with_detail(
                 "the payment gateway is still processing the charge; retry with the same \
                  Idempotency-Key",
-            )
-            .with_retry_after(PENDING_RETRY_AFTER),
-            Self::PaymentUnconfirmed(retry_after) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                types::PAYMENT_UNCONFIRMED,
-                "Payment not confirmed yet",
-            )
+            ),
+            Self::PaymentUnconfirmed(retry_after) => contract::problem(types::PAYMENT_UNCONFIRMED)
             .with_detail(
                 "the payment gateway may still be working on an earlier attempt; its outcome is \
                  looked up after Retry-After: retry then with the same Idempotency-Key",
             )
             .with_retry_after(*retry_after),
-            Self::LeaseLost => Problem::new(
-                StatusCode::CONFLICT,
-                types::LEASE_LOST,
-                "Request taken over",
-            )
-            .with_detail("another attempt with this Idempotency-Key is completing the request")
-            .with_retry_after(GATEWAY_RETRY_AFTER),
-            Self::ShuttingDown => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                types::SHUTTING_DOWN,
-                "Shutting down",
-            )
-            .with_detail("the server stopped before finishing; retry with the same Idempotency-Key")
-            .with_retry_after(GATEWAY_RETRY_AFTER),
-            Self::RequestTimeout => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                types::REQUEST_TIMEOUT,
-                "Request timed out",
-            )
+            Self::LeaseLost => contract::problem(types::LEASE_LOST)
+            .with_detail("another attempt with this Idempotency-Key is completing the request"),
+            Self::ShuttingDown => contract::problem(types::SHUTTING_DOWN)
+            .with_detail("the server stopped before finishing; retry with the same Idempotency-Key"),
+            Self::RequestTimeout => contract::problem(types::REQUEST_TIMEOUT)
             .with_detail(
                 "the request took longer than the server allows; retry with the same \
                  Idempotency-Key, which finds the outcome",
-            )
-            .with_retry_after(GATEWAY_RETRY_AFTER),
-            Self::OverCapacity => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                types::OVER_CAPACITY,
-                "Over capacity",
-            )
-            .with_detail("the server is answering as many requests as it takes; retry shortly")
-            .with_retry_after(OVERLOAD_RETRY_AFTER),
-            Self::CommitUnconfirmed(_) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                types::COMMIT_UNCONFIRMED,
-                "Outcome not confirmed",
-            )
+            ),
+            Self::OverCapacity => contract::problem(types::OVER_CAPACITY)
+            .with_detail("the server is answering as many requests as it takes; retry shortly"),
+            Self::CommitUnconfirmed(_) => contract::problem(types::COMMIT_UNCONFIRMED)
             .with_detail(
                 "the database did not confirm that the request's write is safe from a failover; \
                  retry with the same Idempotency-Key, which finds the outcome",
-            )
-            .with_retry_after(GATEWAY_RETRY_AFTER),
-            Self::Internal(_) => Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                types::INTERNAL,
-                "Internal error",
-            )
+            ),
+            Self::Internal(_) => contract::problem(types::INTERNAL)
             .with_detail(INTERNAL_DETAIL),
         }
     }

@@ -108,7 +108,7 @@ async fn refuse(mut tcp: TcpStream) {
 fn over_capacity_response() -> Vec<u8> {
     let problem = ApiError::OverCapacity.problem();
     let body = problem.body().to_string();
-    let retry_after = crate::problem::OVERLOAD_RETRY_AFTER.as_secs();
+    let retry_after = crate::config::OVERLOAD_RETRY_AFTER.as_secs();
     format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: {}\r\nretry-after: {retry_after}\r\n\
          connection: close\r\ncontent-length: {}\r\n\r\n{body}",

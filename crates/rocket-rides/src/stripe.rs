@@ -75,8 +75,8 @@ pub struct Charge {
     /// The customer charged, `cus_…`.
     #[serde(default)]
     pub customer: Option<String>,
-    /// `succeeded`, `pending` or `failed`.
-    pub status: String,
+    /// How the charge stands.
+    pub status: ChargeStatus,
     /// Unix seconds.
     pub created: i64,
     /// String values under string keys.
@@ -88,6 +88,22 @@ pub struct Charge {
     /// The human message of a `failed` charge.
     #[serde(default)]
     pub failure_message: Option<String>,
+}
+
+/// A charge's `status`, as the gateway names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChargeStatus {
+    /// Paid.
+    Succeeded,
+    /// Not paid yet: the gateway settles it later (a bank debit, a card under review).
+    Pending,
+    /// Not paid, for good: `failure_code` and `failure_message` say why.
+    Failed,
+    /// A status this build does not know. Nothing is decided on it: the booking answers 503
+    /// and asks again later, and a reconciliation prefers any charge of a known status.
+    #[serde(other)]
+    Unknown,
 }
 
 impl Charge {
@@ -634,6 +650,24 @@ mod tests {
         .unwrap();
         assert_eq!((ok.id.as_str(), ok.amount), ("ch_1", 2000));
         assert_eq!(ok.request(), Some("r"));
+        assert_eq!(ok.status, ChargeStatus::Succeeded);
+    }
+
+    #[test]
+    fn a_charge_status_is_read_by_name_and_an_unknown_one_decides_nothing() {
+        let status = |name: &str| {
+            let charge = format!(r#"{{"id":"ch_1","amount":1,"status":"{name}","created":1}}"#);
+            serde_json::from_str::<Charge>(&charge).unwrap().status
+        };
+        assert_eq!(status("succeeded"), ChargeStatus::Succeeded);
+        assert_eq!(status("pending"), ChargeStatus::Pending);
+        assert_eq!(status("failed"), ChargeStatus::Failed);
+        assert_eq!(status("refunded_somehow"), ChargeStatus::Unknown);
+        assert_eq!(
+            status("Succeeded"),
+            ChargeStatus::Unknown,
+            "names are exact"
+        );
     }
 
     #[test]

@@ -80,30 +80,9 @@ mod statements;
 mod step;
 pub mod wait;
 
-use sqlx::{Postgres, Transaction};
-
-use crate::commit_watch::watched;
-use crate::Error;
-
-/// Commits `tx`, and refuses the success of a commit whose wait for the synchronous standby
-/// the server reports cancelled ([`Error::CommitUnconfirmed`]; see [`crate::commit_watch`]).
-pub(crate) async fn commit(
-    tx: Transaction<'static, Postgres>,
-    context: String,
-) -> Result<(), Error> {
-    let (committed, cancelled) = watched(tx.commit()).await;
-    committed.map_err(Error::db(context.clone()))?;
-    unless_cancelled(cancelled, context)
-}
-
-/// The answer of a write that committed on its own (an autocommit statement), given whether
-/// the server reported its wait for the synchronous standby cancelled.
-pub(super) fn unless_cancelled(cancelled: bool, context: String) -> Result<(), Error> {
-    if cancelled {
-        return Err(Error::CommitUnconfirmed { context });
-    }
-    Ok(())
-}
+// Every commit of the store's is watched for a cancelled wait for the synchronous standby
+// ([`crate::commit_watch`]).
+pub(crate) use crate::commit_watch::{commit, unless_cancelled};
 
 pub(crate) use builder::check_heartbeat;
 pub use builder::{StoreBuilder, DEFAULT_RETENTION};

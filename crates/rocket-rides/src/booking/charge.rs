@@ -189,13 +189,20 @@ impl Charging<'_> {
     /// another generation of the gateway key: charging this one now would charge twice), renewed
     /// during it, and abandoned at once when a renewal finds the lease taken over (the new
     /// holder carries on under the same gateway key) or goes unanswered while the lease lasts.
+    /// While the call is out, the request's admission slot is given back, and taken again
+    /// (never shed) once it answers ([`crate::admission::Admitted::away`]): the call holds no pooled connection.
     pub(super) async fn under_lease<T>(
         &self,
         step: &mut Step<'_, RidePoint>,
         call: impl std::future::Future<Output = T>,
     ) -> Result<T, Halt> {
         let state = self.rider.state;
-        let mut call = std::pin::pin!(call);
+        let mut call = std::pin::pin!(async {
+            match self.slot {
+                Some(slot) => slot.away(call).await,
+                None => call.await,
+            }
+        });
         match state
             .store
             .watch_under_lease(step.lease().await?, &mut call)

@@ -50,6 +50,7 @@
 
 use idempotency::{Advance, Halt, Step, Workflow};
 
+use crate::admission::Admitted;
 use crate::ride::{RideRequest, RIDES_ROUTE};
 use crate::state::AppState;
 
@@ -77,12 +78,20 @@ use target::{Charging, Rider};
 #[derive(Clone)]
 pub struct Booking {
     state: AppState,
+    /// The request's slot of the admission gate, given back across each gateway call; none for
+    /// the completer, which the gate does not count.
+    slot: Option<Admitted>,
 }
 
 impl Booking {
     /// The booking of the service whose state is `state`.
     pub fn new(state: AppState) -> Self {
-        Self { state }
+        Self { state, slot: None }
+    }
+
+    /// The booking of a request the admission gate admitted with `slot`.
+    pub fn admitted(state: AppState, slot: Option<Admitted>) -> Self {
+        Self { state, slot }
     }
 }
 
@@ -131,9 +140,17 @@ impl Booking {
                 if step.arrived() {
                     error::crash_point(&self.state, crate::failpoints::AFTER_RIDE_CREATED);
                 }
-                charging(rider, step).await?.run(step).await
+                charging(rider, self.slot.as_ref(), step)
+                    .await?
+                    .run(step)
+                    .await
             }
-            RidePoint::ChargePending => charging(rider, step).await?.resolve_pending(step).await,
+            RidePoint::ChargePending => {
+                charging(rider, self.slot.as_ref(), step)
+                    .await?
+                    .resolve_pending(step)
+                    .await
+            }
             RidePoint::ChargeCreated => legacy::finish_recorded(&rider, step).await,
             RidePoint::Finished => Err(BookingError::Internal(format!(
                 "key {} was stepped although finished",
@@ -207,6 +224,7 @@ async fn create_ride(
 /// this holder wrote it ([`Step::arrived`]).
 async fn charging<'a>(
     rider: Rider<'a>,
+    slot: Option<&'a Admitted>,
     step: &mut Step<'_, RidePoint>,
 ) -> Result<Charging<'a>, Halt> {
     let target = match step.handed::<ChargeTarget>() {
@@ -218,7 +236,11 @@ async fn charging<'a>(
         .failpoints
         .stand_still(crate::failpoints::AFTER_RIDE_LOADED)
         .await;
-    Ok(Charging { rider, target })
+    Ok(Charging {
+        rider,
+        target,
+        slot,
+    })
 }
 
 #[cfg(test)]

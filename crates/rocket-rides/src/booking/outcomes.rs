@@ -5,7 +5,6 @@
 use std::time::Instant;
 
 use idempotency::{Advance, Halt, Step, StoredResponse};
-use idempotency_axum::Problem;
 use serde_json::json;
 
 use super::error::{db, BookingError};
@@ -14,7 +13,7 @@ use super::target::{Charging, Found, RidePoint};
 use crate::metrics::GatewayCall;
 use crate::problem::types;
 use crate::ride::RideView;
-use crate::stripe::{Charge, ChargeError, Refusal};
+use crate::stripe::{Charge, ChargeError, ChargeStatus, Refusal};
 
 impl Charging<'_> {
     /// A charge the gateway showed for this ride: paid, pending or failed by its status.
@@ -42,21 +41,21 @@ impl Charging<'_> {
             ))
             .into());
         }
-        match charge.status.as_str() {
-            "succeeded" => {
+        match charge.status {
+            ChargeStatus::Succeeded => {
                 super::error::crash_point(
                     self.rider.state,
                     crate::failpoints::AFTER_GATEWAY_CHARGE,
                 );
                 self.paid(step, &charge, found).await
             }
-            "pending" => {
+            ChargeStatus::Pending => {
                 if step.lease().await?.recovery_point() == RidePoint::RideCreated {
                     self.record_pending(step, &charge).await?;
                 }
                 Err(BookingError::PaymentPending(charge.id).into())
             }
-            "failed" => {
+            ChargeStatus::Failed => {
                 let code = charge.failure_code.as_deref().unwrap_or("card_declined");
                 let message = charge
                     .failure_message
@@ -64,8 +63,8 @@ impl Charging<'_> {
                     .unwrap_or("the card was declined");
                 self.declined(step, code, message).await
             }
-            other => Err(BookingError::GatewayUnavailable(format!(
-                "charge {} is in a status this build does not know: {other:?}",
+            ChargeStatus::Unknown => Err(BookingError::GatewayUnavailable(format!(
+                "charge {} is in a status this build does not know",
                 charge.id
             ))
             .into()),
@@ -224,13 +223,9 @@ impl Charging<'_> {
             json!({ "code": code }),
         )
         .await?;
-        let problem = Problem::new(
-            http::StatusCode::PAYMENT_REQUIRED,
-            types::PAYMENT_DECLINED,
-            "Payment declined",
-        )
-        .with_detail(format!("the card was declined: {message}"))
-        .with_extension("decline_code", code.into());
+        let problem = crate::contract::problem(types::PAYMENT_DECLINED)
+            .with_detail(format!("the card was declined: {message}"))
+            .with_extension("decline_code", code.into());
         Ok(Advance::Finish(problem.into()))
     }
 
@@ -274,16 +269,12 @@ impl Charging<'_> {
             gateway_error.clone(),
         )
         .await?;
-        let problem = Problem::new(
-            http::StatusCode::BAD_GATEWAY,
-            types::PAYMENT_REFUSED,
-            "Payment refused by the gateway",
-        )
-        .with_detail(format!(
-            "the payment gateway refused the charge: {}",
-            redact_secrets(&refusal.message)
-        ))
-        .with_extension("gateway_error", gateway_error);
+        let problem = crate::contract::problem(types::PAYMENT_REFUSED)
+            .with_detail(format!(
+                "the payment gateway refused the charge: {}",
+                redact_secrets(&refusal.message)
+            ))
+            .with_extension("gateway_error", gateway_error);
         state.metrics.payment_refused();
         Ok(Advance::Finish(problem.into()))
     }

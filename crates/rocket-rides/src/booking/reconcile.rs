@@ -14,7 +14,7 @@ use super::outcomes::gateway_error;
 use super::rows::audit;
 use super::target::{Charging, Doubt, Found, Kept, RidePoint};
 use crate::metrics::{GatewayCall, Reconciliation};
-use crate::stripe::{Charge, ChargeError, Refusal};
+use crate::stripe::{Charge, ChargeError, ChargeStatus, Refusal};
 
 /// How far a reconciling list reaches before the recorded first attempt and after the last call's
 /// processing bound: the gateway stamps `created` with its own clock, which may be behind or
@@ -323,10 +323,11 @@ fn millis(duration: Duration) -> i64 {
     duration.as_millis().min(i64::MAX as u128) as i64
 }
 
-fn status_rank(status: &str) -> u8 {
+/// The order in which charges naming the request are adopted: paid first, then pending.
+fn status_rank(status: &ChargeStatus) -> u8 {
     match status {
-        "succeeded" => 0,
-        "pending" => 1,
-        _ => 2,
+        ChargeStatus::Succeeded => 0,
+        ChargeStatus::Pending => 1,
+        ChargeStatus::Failed | ChargeStatus::Unknown => 2,
     }
 }

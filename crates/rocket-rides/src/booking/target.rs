@@ -6,6 +6,7 @@ use sqlx::types::Json;
 use time::OffsetDateTime;
 
 use super::error::BookingError;
+use crate::admission::Admitted;
 use crate::state::AppState;
 use crate::stripe::Refusal;
 
@@ -185,4 +186,6 @@ pub(super) enum Window {
 pub(super) struct Charging<'a> {
     pub(super) rider: Rider<'a>,
     pub(super) target: ChargeTarget,
+    /// The request's admission slot, given back while a gateway call is out (`under_lease`).
+    pub(super) slot: Option<&'a Admitted>,
 }

@@ -21,7 +21,6 @@ use tracing::Instrument;
 use crate::admission::Admitted;
 use crate::auth::AuthUser;
 use crate::booking::Booking;
-use crate::problem::ProblemDocument as Problem;
 use crate::problem::{types, ApiError};
 use crate::problem::{IDENTITY_ONLY_DETAIL, JSON_ONLY_DETAIL};
 use crate::ride::{BodyError, RideRequest, RideView, RideView as Ride, RIDES_ROUTE};
@@ -37,20 +36,10 @@ use crate::state::AppState;
         ("Prefer" = Option<String>, Header, description = "`wait=N` (RFC 7240, seconds, at most 10): when another request holds the key, wait up to N seconds for its answer (then replayed, with `Idempotent-Replayed: true`) instead of a 409; past N, the 409. `wait=0` or a malformed value: no wait."),
     ),
     request_body(content = RideRequest, content_type = "application/json"),
+    // The failures are the HTTP contract's rows (`crate::contract`), added by `crate::openapi`.
     responses(
         (status = 201, description = "Booked and paid. A replay repeats the first answer byte for byte and adds `Idempotent-Replayed: true`.", body = Ride,
          headers(("Location" = String, description = "`/rides/{id}`"), ("Idempotent-Replayed" = String, description = "`true` on a replay"))),
-        (status = 400, description = "`urn:problem:idempotency:key-missing` or `…:key-invalid` (the header), `urn:problem:rocket-rides:bad-json` or `…:validation` with `errors` (the body). Nothing is written.", body = Problem, content_type = "application/problem+json"),
-        (status = 401, description = "`urn:problem:rocket-rides:unauthorized`: no valid `Authorization: Bearer <api key>`.", body = Problem, content_type = "application/problem+json"),
-        (status = 402, description = "`urn:problem:rocket-rides:payment-declined`: the card was declined. Stored and replayed.", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "`urn:problem:idempotency:key-in-flight` (another request holds the key; with `Prefer: wait=N`, still after N seconds) or `urn:problem:rocket-rides:lease-lost`. Retry with the same key after `Retry-After`.", body = Problem, content_type = "application/problem+json",
-         headers(("Retry-After" = u64, description = "Seconds to wait"))),
-        (status = 413, description = "`urn:problem:rocket-rides:body-too-large`. Nothing is written.", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "`urn:problem:idempotency:key-reused`: the key was used with another body. Nothing changes.", body = Problem, content_type = "application/problem+json"),
-        (status = 500, description = "`urn:problem:rocket-rides:internal`: retry with the same key.", body = Problem, content_type = "application/problem+json"),
-        (status = 502, description = "`urn:problem:rocket-rides:payment-refused`: the gateway refused the charge for good; `gateway_error` says what it said. Stored and replayed.", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "`urn:problem:rocket-rides:gateway-unavailable`, `…:payment-pending`, `…:payment-unconfirmed`, `…:commit-unconfirmed` or `…:shutting-down`: retry with the same key after `Retry-After`.", body = Problem, content_type = "application/problem+json",
-         headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ),
     security(("api_key" = []))
 )]
@@ -78,11 +67,12 @@ pub async fn create(
     let owner = Owner::from(user.id);
     // The library runs the booking detached from this connection; the task here is the
     // service's own bookkeeping: shutdown waits for it, and it holds the request's slot of the
-    // admission gate until the booking is done with the database.
+    // admission gate until the booking is done with the database (given back while the
+    // gateway or another holder is awaited: `crate::admission`).
+    let slot = admitted.map(|Extension(slot)| slot);
     let task = state.clone().tasks.spawn(
         async move {
-            let _admitted = admitted;
-            let booking = Arc::new(Booking::new(state.clone()));
+            let booking = Arc::new(Booking::admitted(state.clone(), slot.clone()));
             let request = Request::new(owner.clone(), key.clone(), params.clone());
             let mut outcome = state.store.run(&booking, request).await;
             if let Some(deadline) = deadline {
@@ -91,6 +81,7 @@ pub async fn create(
                     key: &key,
                     params: &params,
                     deadline,
+                    slot: slot.as_ref(),
                 };
                 outcome = waiting.for_holder(&state, &booking, outcome).await?;
             }
@@ -108,12 +99,16 @@ struct Waiting<'a> {
     key: &'a IdempotencyKey,
     params: &'a serde_json::Value,
     deadline: Instant,
+    /// The request's admission slot: given back while it waits, taken again (at once, never
+    /// shed) before it runs the booking again.
+    slot: Option<&'a Admitted>,
 }
 
 impl Waiting<'_> {
     /// While another request holds the key: until the holder answers (its answer, replayed),
     /// lets the key go (run again: this request may resume it), or the deadline comes (the
-    /// usual 409). Between reads it holds no pooled connection.
+    /// usual 409). Between reads it holds no pooled connection, and while it waits no slot of
+    /// the admission gate: its reads are one statement each, a poll at a time.
     async fn for_holder(
         &self,
         state: &AppState,
@@ -135,6 +130,9 @@ impl Waiting<'_> {
             if Instant::now() >= self.deadline {
                 break;
             }
+            if let Some(slot) = self.slot {
+                slot.give_back();
+            }
             outcome = match state
                 .store
                 .wait_for_answer_paced(&waiting, self.deadline, &mut pause)
@@ -148,6 +146,9 @@ impl Waiting<'_> {
                     })
                 }
                 KeyState::Absent | KeyState::Mismatch | KeyState::Claimable => {
+                    if let Some(slot) = self.slot {
+                        slot.take_again();
+                    }
                     let request =
                         Request::new(self.owner.clone(), self.key.clone(), self.params.clone());
                     state.store.run(booking, request).await
@@ -235,10 +236,9 @@ fn json_body_headers(headers: &HeaderMap) -> Result<(), ApiError> {
     path = "/rides/{id}",
     tag = "rides",
     params(("id" = i64, Path, description = "The ride's id")),
+    // The failures are the HTTP contract's rows (`crate::contract`), added by `crate::openapi`.
     responses(
         (status = 200, description = "The ride.", body = Ride),
-        (status = 401, description = "`urn:problem:rocket-rides:unauthorized`.", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "`urn:problem:rocket-rides:not-found`: no such ride of this user.", body = Problem, content_type = "application/problem+json"),
     ),
     security(("api_key" = []))
 )]

@@ -205,14 +205,15 @@ async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_not
         admission_wait: Duration::from_millis(20),
         ..Default::default()
     };
-    let app = TestApp::start_with_edge(pool, http).await;
-    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
-    // The admitted bookings hold their slots at the gateway until it lets them go on.
-    app.gateway.hold_charges();
+    let app = TestApp::start_with_edge(pool.clone(), http).await;
+    let (user_id, api_key) = app.user("rider@example.com", "tok_visa").await;
+    // The admitted bookings hold their slots in the database, at their ride's insert, until
+    // the lock on their rider lets them go on.
+    let lock = crate::gate::RiderLock::take(&pool, user_id).await;
     let mut admitted: Vec<_> = (0..ADMITTED)
         .map(|i| spawn_booking(&app, &api_key, &format!("admitted-{i}")))
         .collect();
-    app.gateway.charges_held(ADMITTED).await;
+    lock.until_waited_on(&app, ADMITTED, &admitted).await;
     // More at once than the gate admits: each waits its 20 ms, finds no slot, and is shed.
     let shed: Vec<_> = (0..SHED)
         .map(|i| spawn_booking(&app, &api_key, &format!("shed-{i}")))
@@ -234,8 +235,8 @@ async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_not
     assert_eq!(app.metric("http_requests_shed_total").await, 5.0);
     assert_eq!(
         app.keys().await,
-        ADMITTED as i64,
-        "only the admitted claimed"
+        0,
+        "the shed wrote nothing (the admitted claim with their ride, still uncommitted)"
     );
     // A client that hangs up frees no slot: its booking goes on in its own task, which uses
     // the database until it ends, and holds the slot as long.
@@ -248,7 +249,7 @@ async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_not
     assert_eq!(after_hang_up.problem_type(), types::OVER_CAPACITY);
     assert_eq!(key_rows(&app, "after-hang-up").await, 0);
 
-    app.gateway.release_charges();
+    lock.release().await;
     for reply in admitted {
         let reply = reply.await.unwrap();
         assert_eq!(reply.status, 201, "{reply:?}");

@@ -1,0 +1,221 @@
+//! The admission gate while a booking waits on something that is not the database: the gateway
+//! (a held charge of the real fakestripe) or another request's answer (`Prefer: wait`). Such a
+//! booking gives its slot back, so replays, reads and other bookings go on; and coming back, it
+//! takes one again without being shed. Black-box over real HTTP, a limit of two slots.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::{Reply, TestApp, RIDE};
+use rocket_rides::config::HttpArgs;
+use sqlx::{Connection, PgPool};
+
+/// The gate's slots in these tests.
+const SLOTS: u32 = 2;
+
+/// Long enough that a slot freed while a request waits for it is found (the give-back follows
+/// the signal the tests wait for by a few statements); a request that finds none in this time
+/// is shed.
+const WAIT: Duration = Duration::from_millis(500);
+
+async fn gated(pool: PgPool) -> (TestApp, String) {
+    let http = HttpArgs {
+        admission_limit: Some(SLOTS),
+        admission_wait: WAIT,
+        ..Default::default()
+    };
+    let app = TestApp::start_with_edge(pool, http).await;
+    let (_, api_key) = app.user("rider@example.com", "tok_visa").await;
+    (app, api_key)
+}
+
+/// `POST /rides` on a task of its own; with `wait`, as `Prefer: wait=10`.
+fn spawn_booking(
+    app: &TestApp,
+    api_key: &str,
+    key: &str,
+    wait: bool,
+) -> tokio::task::JoinHandle<Reply> {
+    let mut request = app
+        .http
+        .post(format!("{}/rides", app.base))
+        .bearer_auth(api_key)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(RIDE);
+    if wait {
+        request = request.header("prefer", "wait=10");
+    }
+    tokio::spawn(async move { Reply::read(request.send().await.unwrap()).await })
+}
+
+/// A finished booking: its key (to replay) and its ride's path (to read).
+async fn booked(app: &TestApp, api_key: &str) -> (String, Reply) {
+    let done = app.post_ride(Some(api_key), Some("done"), RIDE).await;
+    assert_eq!(done.status, 201, "{done:?}");
+    let path = format!("/rides/{}", done.json()["ride_id"]);
+    (path, done)
+}
+
+/// A replay and a read of the finished booking, each answered, not shed: a slot was free.
+async fn replay_and_read_go_on(app: &TestApp, api_key: &str, path: &str, done: &Reply) {
+    let replay = app.post_ride(Some(api_key), Some("done"), RIDE).await;
+    assert_eq!(replay.status, 201, "the replay was shed: {replay:?}");
+    assert!(replay.replayed() && replay.body == done.body, "{replay:?}");
+    let read = app.get(api_key, path).await;
+    assert_eq!(read.status, 200, "the read was shed: {read:?}");
+}
+
+#[testdb::test(template = crate::common::migrated)]
+async fn bookings_waiting_on_the_gateway_leave_their_slots_to_replays_reads_and_bookings(
+    pool: PgPool,
+) {
+    let (app, api_key) = gated(pool).await;
+    let (path, done) = booked(&app, &api_key).await;
+    // As many bookings as the gate has slots, all at the gateway, which takes its time.
+    app.gateway.hold_charges();
+    let mut slow: Vec<_> = (0..SLOTS)
+        .map(|i| spawn_booking(&app, &api_key, &format!("slow-{i}"), false))
+        .collect();
+    app.gateway.charges_held(SLOTS as usize).await;
+    replay_and_read_go_on(&app, &api_key, &path, &done).await;
+    // A new booking is admitted too, and reaches the gateway.
+    slow.push(spawn_booking(&app, &api_key, "one-more", false));
+    app.gateway.charges_held(SLOTS as usize + 1).await;
+
+    app.gateway.release_charges();
+    for booking in slow {
+        let reply = booking.await.unwrap();
+        assert_eq!(reply.status, 201, "{reply:?}");
+    }
+    assert_eq!(app.metric("http_requests_shed_total").await, 0.0);
+    // One ride and one charge per key.
+    let keys = i64::from(SLOTS) + 2;
+    assert_eq!(app.keys().await, keys);
+    assert_eq!(app.rides().await, keys);
+    assert_eq!(app.charges().await, keys);
+}
+
+#[testdb::test(template = crate::common::migrated)]
+async fn a_duplicate_waiting_with_prefer_wait_holds_no_slot(pool: PgPool) {
+    let (app, api_key) = gated(pool).await;
+    let (path, done) = booked(&app, &api_key).await;
+    app.gateway.hold_charges();
+    let holder = spawn_booking(&app, &api_key, "held", false);
+    app.gateway.charges_held(1).await;
+    // As many duplicates as the gate has slots, each asking to wait for the holder's answer.
+    let in_flight = r#"idempotency_claims_total{outcome="in_flight"}"#;
+    let waiters: Vec<_> = (0..SLOTS)
+        .map(|_| spawn_booking(&app, &api_key, "held", true))
+        .collect();
+    for tries in 0.. {
+        if app.metric(in_flight).await >= f64::from(SLOTS) {
+            break;
+        }
+        assert!(
+            tries < 1000 && !waiters.iter().any(|w| w.is_finished()),
+            "the duplicates did not all find the key held"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Every duplicate found the key held and waits: none holds a slot meanwhile.
+    replay_and_read_go_on(&app, &api_key, &path, &done).await;
+
+    app.gateway.release_charges();
+    let first = holder.await.unwrap();
+    assert_eq!(first.status, 201, "{first:?}");
+    for waiter in waiters {
+        let reply = waiter.await.unwrap();
+        assert_eq!(reply.status, 201, "{reply:?}");
+        assert!(reply.replayed() && reply.body == first.body, "{reply:?}");
+    }
+    assert_eq!(app.metric("http_requests_shed_total").await, 0.0);
+    assert_eq!(app.charges().await, 2, "one charge per key");
+}
+
+#[testdb::test(template = crate::common::migrated)]
+async fn a_booking_back_from_the_gateway_to_no_free_slot_is_not_shed(pool: PgPool) {
+    let (app, api_key) = gated(pool.clone()).await;
+    let (other_id, other_key) = app.user("other@example.com", "tok_visa").await;
+    app.gateway.hold_charges();
+    let away = spawn_booking(&app, &api_key, "away", false);
+    app.gateway.charges_held(1).await;
+    // Meanwhile the other rider's bookings take both slots, and keep them: each stops at its
+    // ride's insert, behind a lock this test holds on the rider's row.
+    let lock = RiderLock::take(&pool, other_id).await;
+    let blocked: Vec<_> = (0..SLOTS)
+        .map(|i| spawn_booking(&app, &other_key, &format!("blocked-{i}"), false))
+        .collect();
+    lock.until_waited_on(&app, SLOTS as usize, &blocked).await;
+    // The gateway answers: the booking finds no slot free, waits, and goes on without one.
+    app.gateway.release_charges();
+    let reply = away.await.unwrap();
+    assert_eq!(reply.status, 201, "shed half-way: {reply:?}");
+    assert_eq!(app.metric("http_admission_overdrawn_total").await, 1.0);
+
+    lock.release().await;
+    for booking in blocked {
+        let reply = booking.await.unwrap();
+        assert_eq!(reply.status, 201, "{reply:?}");
+    }
+    assert_eq!(app.metric("http_requests_shed_total").await, 0.0);
+    assert_eq!(app.charges().await, 3, "one charge per key");
+}
+
+/// A lock on a rider's row, which a booking of that rider waits for at its ride's insert (the
+/// ride's reference to its user), holding its admission slot and a pooled connection: a
+/// booking busy in the database for as long as a test needs.
+pub(crate) struct RiderLock {
+    /// In a transaction that holds the lock.
+    connection: sqlx::PgConnection,
+}
+
+impl RiderLock {
+    /// Locks user `user_id`'s row, on a connection of its own (not the service's pool).
+    pub(crate) async fn take(pool: &PgPool, user_id: i64) -> Self {
+        let mut connection = sqlx::PgConnection::connect(&common::url_of(pool).await)
+            .await
+            .unwrap();
+        sqlx::raw_sql("BEGIN")
+            .execute(&mut connection)
+            .await
+            .unwrap();
+        sqlx::query("SELECT 1 FROM users WHERE id = $1 FOR UPDATE")
+            .bind(user_id)
+            .execute(&mut connection)
+            .await
+            .unwrap();
+        Self { connection }
+    }
+
+    /// Resolves once `count` statements wait on a lock in the test's database, the bookings
+    /// behind this one (bounded; panics when one of `bookings` ended first).
+    pub(crate) async fn until_waited_on(
+        &self,
+        app: &TestApp,
+        count: usize,
+        bookings: &[tokio::task::JoinHandle<Reply>],
+    ) {
+        let waiting = "SELECT count(*) FROM pg_stat_activity \
+            WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        for tries in 0.. {
+            if app.count(waiting).await == count as i64 {
+                return;
+            }
+            assert!(
+                tries < 1000 && !bookings.iter().any(|b| b.is_finished()),
+                "the bookings did not all reach the lock"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Lets the bookings behind it go on.
+    pub(crate) async fn release(mut self) {
+        sqlx::raw_sql("ROLLBACK")
+            .execute(&mut self.connection)
+            .await
+            .unwrap();
+    }
+}
