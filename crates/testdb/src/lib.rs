@@ -38,6 +38,9 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, Executor, PgConnection, PgPool};
 
 pub mod doc_values;
+mod wait;
+
+pub use wait::{until, until_every, POLL_EVERY};
 
 pub use testdb_macros::test;
 

@@ -22,7 +22,7 @@ use idempotency::{Clock, DatabaseClock, ManualClock, Store};
 use idempotency_axum::{ClaimedKey, IdempotencyLayer, KeyTransaction};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tower::ServiceExt;
 
 async fn schema(pool: &PgPool) {
@@ -265,15 +265,17 @@ async fn a_backend_killed_mid_handler_keeps_nothing_and_the_retry_deposits_once(
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(deposits(&pool).await, 0);
     // The retry: at once (the key was released) or after the lease; with a 5 s lease, wait it
-    // out if need be.
-    let mut outcome = send(&app, "killed").await;
-    for _ in 0..12 {
-        if outcome.0 != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        outcome = send(&app, "killed").await;
-    }
+    // out if need be (a retry every half second, as a client's backoff would).
+    let outcome = testdb::until_every(
+        "the retry is answered other than 409",
+        Duration::from_millis(500),
+        Duration::from_secs(10),
+        || async {
+            let outcome = send(&app, "killed").await;
+            (outcome.0 != StatusCode::CONFLICT).then_some(outcome)
+        },
+    )
+    .await;
     assert_eq!((outcome.0, outcome.1), (StatusCode::CREATED, false));
     let (status, replayed, again) = send(&app, "killed").await;
     assert_eq!((status, replayed), (StatusCode::CREATED, true));
@@ -303,14 +305,15 @@ async fn a_client_that_hangs_up_mid_handler_finds_its_deposit_made_once(pool: Pg
     let (status, _, _) = send(&app, "hang-up").await;
     assert_eq!(status, StatusCode::CONFLICT);
     bank.gate.notify_one();
-    let mut outcome = send(&app, "hang-up").await;
-    for _ in 0..20 {
-        if outcome.0 != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        outcome = send(&app, "hang-up").await;
-    }
+    let outcome = testdb::until(
+        "the retry after the handler is answered other than 409",
+        Duration::from_secs(5),
+        || async {
+            let outcome = send(&app, "hang-up").await;
+            (outcome.0 != StatusCode::CONFLICT).then_some(outcome)
+        },
+    )
+    .await;
     assert_eq!((outcome.0, outcome.1), (StatusCode::CREATED, true));
     assert_eq!(deposits(&pool).await, 1);
     assert_eq!(bank.runs.load(Ordering::SeqCst), 1);
@@ -320,19 +323,33 @@ async fn a_client_that_hangs_up_mid_handler_finds_its_deposit_made_once(pool: Pg
 // The default mode under the lease kit
 // ---------------------------------------------------------------------------------------------
 
+/// What [`notify`] shares with its test.
+#[derive(Clone)]
+struct Notifier {
+    effects: Arc<AtomicUsize>,
+    /// A message each time a handler starts its work.
+    entered: mpsc::UnboundedSender<()>,
+    /// Its work ends when the test opens this (`true`): later than any lease of the test,
+    /// however slow the machine.
+    work_done: watch::Receiver<bool>,
+}
+
 /// A handler of the default mode whose effect is outside the key's database (a notification, a
-/// charge): it works for 3 s, then makes its effect.
-async fn notify(State(effects): State<Arc<AtomicUsize>>, _claimed: ClaimedKey) -> StatusCode {
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    effects.fetch_add(1, Ordering::SeqCst);
+/// charge): it works until the test says its work is done, then makes its effect.
+async fn notify(State(n): State<Notifier>, _claimed: ClaimedKey) -> StatusCode {
+    let _ = n.entered.send(());
+    let mut work_done = n.work_done.clone();
+    let _ = work_done.wait_for(|done| *done).await;
+    n.effects.fetch_add(1, Ordering::SeqCst);
     StatusCode::CREATED
 }
 
 /// Interleaving: two API processes, each with its own pool, serve the same route in the default
-/// mode, with a 2 s lease renewed every 400 ms. Process one's handler (3 s of work) starts; its
-/// store's pool is then exhausted by other requests for 5 s (its `acquire_timeout` is 8 s), so
-/// the renewal waits for a connection. At 2.4 s the client, having given up on process one,
-/// retries through process two.
+/// mode, with a 2 s lease renewed every 400 ms. Process one's handler (work that outlasts the
+/// lease) starts; its store's pool is then exhausted by other requests (its `acquire_timeout`
+/// is 8 s), so the renewal waits for a connection. Once the lease has ended in the database, the
+/// client, having given up on process one, retries through process two; then both handlers'
+/// work is done, and the pool is freed.
 ///
 /// Safe outcome (the layer's own promise: "a handler slower than the lease TTL is not taken
 /// over by a retry and run twice at once"): process one stops vouching for its lease before it
@@ -354,6 +371,13 @@ async fn a_renewal_stuck_on_an_exhausted_pool_runs_the_handler_twice_at_once(poo
         .await
         .unwrap();
     let effects = Arc::new(AtomicUsize::new(0));
+    let (entered, mut handler_started) = mpsc::unbounded_channel();
+    let (open, work_done) = watch::channel(false);
+    let notifier = Notifier {
+        effects: effects.clone(),
+        entered,
+        work_done,
+    };
     let process = |pool: PgPool| {
         let store = Store::new(pool, Arc::new(DatabaseClock), TTL)
             .unwrap()
@@ -364,19 +388,33 @@ async fn a_renewal_stuck_on_an_exhausted_pool_runs_the_handler_twice_at_once(poo
             .route_layer(IdempotencyLayer::new(store, |_| {
                 Ok(idempotency::Owner::from(1))
             }))
-            .with_state(effects.clone())
+            .with_state(notifier.clone())
     };
     let (one, two) = (process(small.clone()), process(pool.clone()));
     let first = tokio::spawn(async move { send(&one, "twice").await });
     // Once the claim is done (the handler runs), the pool's one connection goes to other work.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    handler_started.recv().await.unwrap();
     let hog = small.acquire().await.unwrap();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        drop(hog);
-    });
-    tokio::time::sleep(TTL + Duration::from_millis(200)).await;
-    let (retried, _, _) = send(&two, "twice").await;
+    testdb::until(
+        "the first lease ended in the database",
+        Duration::from_secs(10),
+        || async {
+            sqlx::query_scalar::<_, bool>("SELECT locked_until < now() FROM idempotency_keys")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                .then_some(())
+        },
+    )
+    .await;
+    let second = tokio::spawn(async move { send(&two, "twice").await });
+    tokio::time::timeout(Duration::from_secs(10), handler_started.recv())
+        .await
+        .expect("process two took the key over and ran the handler");
+    // Both handlers' work is done: a first handler still running makes its effect too.
+    open.send(true).unwrap();
+    let (retried, _, _) = second.await.unwrap();
+    drop(hog);
     let (first_status, _, _) = first.await.unwrap();
     assert_eq!(
         effects.load(Ordering::SeqCst),

@@ -368,21 +368,20 @@ async fn a_client_that_hangs_up_does_not_cancel_the_claimed_work(pool: PgPool) {
     }
     gate.notify_one();
     // The work goes on without its client and stores the answer (bounded wait).
-    let mut finished = false;
-    for _ in 0..200 {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM idempotency_keys WHERE finished_at IS NOT NULL",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        if n == 1 {
-            finished = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(finished, "the answer was stored after the client left");
+    testdb::until(
+        "the answer was stored after the client left",
+        Duration::from_secs(5),
+        || async {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM idempotency_keys WHERE finished_at IS NOT NULL",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            (n == 1).then_some(())
+        },
+    )
+    .await;
     let (status, replayed, body) =
         read(post_with(&app, "/orders", "k1", Body::from("{}")).await).await;
     assert_eq!((status, replayed), (StatusCode::CREATED, true));
@@ -608,18 +607,17 @@ async fn a_handler_slower_than_the_lease_keeps_its_key_and_runs_once(pool: PgPoo
     let now = clock.now().unwrap();
     // The heartbeat renews it from the moved time, past its first end (bounded wait for the
     // next beat).
-    let mut renewed = false;
-    for _ in 0..300 {
-        if locked_until(&pool)
-            .await
-            .is_some_and(|until| until > now + Duration::from_secs(11))
-        {
-            renewed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(renewed, "the lease was renewed while the handler ran");
+    testdb::until(
+        "the lease was renewed while the handler ran",
+        Duration::from_secs(5),
+        || async {
+            locked_until(&pool)
+                .await
+                .is_some_and(|until| until > now + Duration::from_secs(11))
+                .then_some(())
+        },
+    )
+    .await;
     // The handler is still at work when its first lease would have ended.
     clock.advance(Duration::from_secs(11));
     // A retry meanwhile is told the request is in flight, and runs nothing.
@@ -655,13 +653,12 @@ async fn a_handler_whose_lease_is_taken_over_is_stopped_and_answers_409(pool: Pg
     let body: Value = serde_json::from_slice(&read(answer).await.2).unwrap();
     assert_eq!(body["type"], types::LEASE_LOST);
     // Its work was dropped at its await, not run to its end, and nothing was stored.
-    for _ in 0..100 {
-        if dropped.load(Ordering::SeqCst) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(dropped.load(Ordering::SeqCst), "the handler was stopped");
+    testdb::until(
+        "the handler was stopped",
+        Duration::from_secs(5),
+        || async { dropped.load(Ordering::SeqCst).then_some(()) },
+    )
+    .await;
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     let finished: i64 =
         sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE finished_at IS NOT NULL")

@@ -52,6 +52,22 @@ fn answer(body: &str) -> StoredResponse {
     }
 }
 
+/// Waits (bounded) until the one key's lease has ended by the database's clock.
+async fn lease_ended_in_the_database(pool: &PgPool) {
+    testdb::until(
+        "the lease ended in the database",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, bool>("SELECT locked_until < now() FROM idempotency_keys")
+                .fetch_one(pool)
+                .await
+                .unwrap()
+                .then_some(())
+        },
+    )
+    .await;
+}
+
 /// A clock on a whole second, so that times computed in Rust and in SQL meet exactly.
 fn whole_second_clock() -> ManualClock {
     let second = OffsetDateTime::now_utc().unix_timestamp();
@@ -108,31 +124,32 @@ async fn a_renewal_stuck_on_an_exhausted_pool_lets_the_call_outlive_its_lease(po
             .await
             .unwrap(),
     );
-    // Load: the pool's one connection is busy for 5 s.
+    // Load: the pool's one connection is busy until the key has been taken over.
     let hog = small.acquire().await.unwrap();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        drop(hog);
-    });
 
     let effects = Arc::new(AtomicUsize::new(0));
     let effect_of_first = Arc::new(Mutex::new(None::<Instant>));
     let (e, at) = (effects.clone(), effect_of_first.clone());
-    // The foreign call: 4 s of work, then its effect.
+    let (taken, mut work_done) = tokio::sync::watch::channel(false);
+    // The foreign call: work that outlasts the lease (it ends when another holder has the key),
+    // then its effect.
     let mut call = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(4)).await;
+        let _ = work_done.wait_for(|done| *done).await;
         e.fetch_add(1, Ordering::SeqCst);
         *at.lock().unwrap() = Some(Instant::now());
     });
     // The retry on the other process, once the lease has ended in the database.
     let (o, k2, b2) = (other.clone(), k.clone(), body.clone());
     let takeover = tokio::spawn(async move {
-        tokio::time::sleep(TTL + Duration::from_millis(400)).await;
+        lease_ended_in_the_database(o.pool()).await;
         let claim = o
             .claim::<OneStep>(request(&Owner::from(1), &k2, &b2))
             .await
             .unwrap();
-        (matches!(claim, Claim::Acquired(_)), Instant::now())
+        let taken_at = Instant::now();
+        drop(hog);
+        let _ = taken.send(true);
+        (matches!(claim, Claim::Acquired(_)), taken_at)
     });
 
     let watched = holder.watch_under_lease(&mut lease, &mut call).await;
@@ -189,11 +206,16 @@ async fn renewals_that_fail_fast_stop_the_call_before_the_lease_ends(pool: PgPoo
     let hog = small.acquire().await.unwrap();
     let effects = Arc::new(AtomicUsize::new(0));
     let e = effects.clone();
+    // A call whose work ends only when the test says (after the kit has given up): a kit that
+    // vouches on is caught by the bound below, not by a call that happened to end.
+    let (work_done, mut done) = tokio::sync::watch::channel(false);
     let mut call = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(4)).await;
+        let _ = done.wait_for(|done| *done).await;
         e.fetch_add(1, Ordering::SeqCst);
     });
-    let watched = holder.watch_under_lease(&mut lease, &mut call).await;
+    let watched = tokio::time::timeout(TTL * 2, holder.watch_under_lease(&mut lease, &mut call))
+        .await
+        .expect("the kit stopped vouching for the lease while it lasted");
     let returned_after = claimed_at.elapsed();
     assert!(
         matches!(watched, Err(Error::Database { .. })),
@@ -201,9 +223,10 @@ async fn renewals_that_fail_fast_stop_the_call_before_the_lease_ends(pool: PgPoo
     );
     assert!(returned_after < TTL, "returned after {returned_after:?}");
     call.abort();
+    // The aborted call has ended once awaited: its work can no longer make the effect.
     let _ = call.await;
+    let _ = work_done.send(true);
     drop(hog);
-    tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(effects.load(Ordering::SeqCst), 0);
     // The lease is still this holder's (nobody took it): it can be released.
     holder.release(lease).await.unwrap();
@@ -647,7 +670,28 @@ async fn a_claim_of_an_expired_key_racing_the_reaper_and_another_claim_runs_once
             .await
             .unwrap()
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The second claim waits on the new key's insert, and the reaper on the old row the first
+    // claim deleted (or has ended, having seen nothing to reap), before the first commits.
+    let watcher = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .unwrap();
+    testdb::until(
+        "the second claim and the reaper wait on the first claim's transaction",
+        Duration::from_secs(10),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&watcher)
+            .await
+            .unwrap();
+            (waiting >= 2 || (waiting >= 1 && reaping.is_finished())).then_some(())
+        },
+    )
+    .await;
     let lease = first.commit().await.unwrap();
     let reaped = reaping.await.unwrap();
     let second = second.await.unwrap();

@@ -481,20 +481,21 @@ async fn concurrent_claims_of_an_expired_key_replace_it_exactly_once(pool: PgPoo
 
 /// Waits (bounded) until a backend of this database waits for a row lock.
 async fn a_statement_waits_on_a_lock(pool: &PgPool) {
-    for _ in 0..500 {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("no statement came to wait on the lock");
+    testdb::until(
+        "a statement came to wait on the lock",
+        Duration::from_secs(5),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
 }
 
 #[testdb::test(template = crate::migrated)]

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency::{
-    Claim, DatabaseClock, Error, Fingerprint, IdempotencyKey, Lease, ManualClock, NewRequest,
-    OneStep, Owner, Store,
+    Claim, Clock, DatabaseClock, Error, Fingerprint, IdempotencyKey, Lease, ManualClock,
+    NewRequest, OffsetDateTime, OneStep, Owner, Store,
 };
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -38,7 +38,8 @@ async fn acquire(store: &Store, key: &IdempotencyKey, body: &Value) -> Lease<One
 #[testdb::test(template = crate::migrated)]
 async fn a_call_slower_than_the_lease_keeps_it_to_the_end(pool: PgPool) {
     idempotency::migrate(&pool).await.unwrap();
-    let store = Store::new(pool, Arc::new(DatabaseClock), TTL)
+    let clock = ManualClock::starting_now();
+    let store = Store::new(pool.clone(), Arc::new(clock.clone()), TTL)
         .unwrap()
         .with_heartbeat(Duration::from_millis(300))
         .unwrap();
@@ -51,8 +52,26 @@ async fn a_call_slower_than_the_lease_keeps_it_to_the_end(pool: PgPool) {
     let (retry_key, retry_body) = (key.clone(), body.clone());
     let answer = store
         .call_under_lease(&mut lease, async move {
-            // Twice the TTL: without renewals, the retry below would take the key over.
-            tokio::time::sleep(TTL * 2).await;
+            // Twice the TTL, half a TTL at a time, each step once a beat has renewed the lease
+            // from the moved clock: without renewals, the retry below would take the key over
+            // (and the first step would wait in vain).
+            for _ in 0..4 {
+                clock.advance(TTL / 2);
+                let now = clock.now().unwrap();
+                testdb::until(
+                    "a beat renewed the lease from the moved clock",
+                    Duration::from_secs(10),
+                    || async {
+                        let until: OffsetDateTime =
+                            sqlx::query_scalar("SELECT locked_until FROM idempotency_keys")
+                                .fetch_one(&pool)
+                                .await
+                                .unwrap();
+                        (until > now + TTL / 2).then_some(())
+                    },
+                )
+                .await;
+            }
             retry
                 .claim::<OneStep>(request(&retry_key, &retry_body))
                 .await
@@ -89,8 +108,10 @@ async fn a_takeover_during_the_call_stops_it_at_the_next_beat(pool: PgPool) {
             // the next beat finds it lost, or, by the holder's clock, already over.
             clock.advance(TTL + Duration::from_secs(1));
             let taken = acquire(&other, &other_key, &other_body).await;
-            // The call would go on for long: only the kit's next renewal can stop it.
-            tokio::time::sleep(Duration::from_secs(30)).await;
+            // The call never ends of itself: only the kit's next renewal can stop it (the bound
+            // turns a kit that never does into a failure, not a hang).
+            let _ =
+                tokio::time::timeout(Duration::from_secs(30), std::future::pending::<()>()).await;
             done.store(true, Ordering::SeqCst);
             taken
         })
@@ -155,7 +176,8 @@ async fn a_watched_call_stays_the_callers_when_the_lease_is_lost(pool: PgPool) {
     let mut task = tokio::spawn(async move {
         clock.advance(TTL + Duration::from_secs(1));
         let _taken = acquire(&other, &other_key, &other_body).await;
-        tokio::time::sleep(Duration::from_secs(30)).await;
+        // Never ends of itself (the bound turns a kit that never stops into a failure).
+        let _ = tokio::time::timeout(Duration::from_secs(30), std::future::pending::<()>()).await;
     });
     let outcome = store.watch_under_lease(&mut lease, &mut task).await;
     assert!(

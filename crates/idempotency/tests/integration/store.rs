@@ -812,9 +812,15 @@ async fn a_key_taken_over_resumes_from_its_point_instead_of_starting_again(pool:
 async fn concurrent_begins_of_one_new_key_insert_it_once(pool: PgPool) {
     let (store, _) = setup(&pool).await;
     let barrier = Arc::new(tokio::sync::Barrier::new(16));
+    // A connection of its own to watch the others wait: the test's pool is theirs.
+    let watcher = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(pool.connect_options().as_ref().clone())
+        .await
+        .unwrap();
     let mut tasks = Vec::new();
     for _ in 0..16 {
-        let (store, barrier) = (store.clone(), barrier.clone());
+        let (store, barrier, watcher) = (store.clone(), barrier.clone(), watcher.clone());
         tasks.push(tokio::spawn(async move {
             let (k, body) = (key("same"), json!({"a": 1}));
             barrier.wait().await;
@@ -830,8 +836,8 @@ async fn concurrent_begins_of_one_new_key_insert_it_once(pool: PgPool) {
                         .execute(first.conn())
                         .await
                         .unwrap();
-                    // Held open a little, so that the others wait on the insert.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    // Held open until another begin waits on the insert.
+                    a_statement_waits_on_a_lock(&watcher).await;
                     let _lease = first.commit().await.unwrap();
                     true
                 }
@@ -1078,28 +1084,30 @@ async fn key_row_updates_are_hot_without_vacuum(pool: PgPool) {
     // Backends report their statistics when they end: close every connection first.
     let options = pool.connect_options().as_ref().clone();
     pool.close().await;
-    let mut conn = sqlx::ConnectOptions::connect(&options).await.unwrap();
-    let mut counts = (0, 0);
+    let conn = sqlx::ConnectOptions::connect(&options).await.unwrap();
+    let conn = tokio::sync::Mutex::new(conn);
     // Bounded at 30 s: a loaded machine delivers the ended backends' statistics late (558 of
-    // 600 after 5 s once, with six builds running); the loop ends as soon as all have arrived.
-    for _ in 0..300 {
-        counts = sqlx::query_as(
-            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables
-             WHERE relname = 'idempotency_keys'",
-        )
-        .fetch_one(&mut conn)
-        .await
-        .unwrap();
-        if counts.0 >= 600 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        sqlx::query("SELECT pg_stat_clear_snapshot()")
-            .execute(&mut conn)
+    // 600 after 5 s once, with six builds running); the wait ends as soon as all have arrived.
+    let (updates, hot): (i64, i64) = testdb::until(
+        "the statistics of 600 updates arrived",
+        Duration::from_secs(30),
+        || async {
+            let mut conn = conn.lock().await;
+            sqlx::query("SELECT pg_stat_clear_snapshot()")
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            let counts: (i64, i64) = sqlx::query_as(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables
+                 WHERE relname = 'idempotency_keys'",
+            )
+            .fetch_one(&mut *conn)
             .await
             .unwrap();
-    }
-    let (updates, hot): (i64, i64) = counts;
+            (counts.0 >= 600).then_some(counts)
+        },
+    )
+    .await;
     assert_eq!(updates, 600, "a renewal and a finish per key");
     assert!(
         hot * 100 >= updates * 95,
@@ -1154,20 +1162,21 @@ async fn a_holder_knows_by_its_own_clock_when_its_lease_may_be_gone(pool: PgPool
 /// Waits (bounded) until a backend of this database waits for a row lock: the signal that a
 /// statement was sent and is held between its sending and its answer.
 async fn a_statement_waits_on_a_lock(pool: &PgPool) {
-    for _ in 0..500 {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("no statement came to wait on the lock");
+    testdb::until(
+        "a statement came to wait on the lock",
+        Duration::from_secs(5),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
 }
 
 #[testdb::test(template = crate::migrated)]

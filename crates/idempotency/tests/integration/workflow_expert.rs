@@ -111,8 +111,12 @@ impl Notes {
                         .unwrap();
                     // A fifth of a second of the lease left by the holder's clock.
                     clock.advance(TTL - Duration::from_millis(200));
-                    // Long: only the renewal's stop ends it (and drops the blocker with it).
-                    tokio::time::sleep(Duration::from_secs(60)).await;
+                    // Never ends of itself: only the renewal's stop ends it (and drops the
+                    // blocker with it). The bound is for a stop that never comes: the test then
+                    // fails after a minute instead of hanging.
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(60), std::future::pending::<()>())
+                            .await;
                     drop(blocker);
                 })
                 .await?;

@@ -16,6 +16,8 @@ struct Events {
     /// Processes that died of something the harness did not do to them: not a fault it
     /// injected, but a finding for the auditor.
     unexpected_exits: u64,
+    /// The leases the harness took over, each as (key id, the token its holder had).
+    stolen_leases: Vec<(i64, i64)>,
 }
 
 /// Shared by every task of a run. Cheap to clone.
@@ -67,6 +69,26 @@ impl Recorder {
             let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
             *events.ambient.entry(kind.to_owned()).or_default() += count;
         }
+    }
+
+    /// The harness took over the lease of key `key_id` from its holder, whose token was
+    /// `token`: a fault of `kind`, and a fact for the audit of the holder.
+    pub(crate) fn lease_stolen(&self, kind: &str, key_id: i64, token: i64) {
+        self.fault(kind, 1);
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stolen_leases
+            .push((key_id, token));
+    }
+
+    /// Every lease the harness took over, as (key id, its holder's token).
+    pub(crate) fn stolen_leases(&self) -> Vec<(i64, i64)> {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stolen_leases
+            .clone()
     }
 
     /// A process exited, or could not start, other than by the harness's hand.

@@ -260,7 +260,17 @@ pub(crate) async fn audit_and_report(
     let Calmed { args, recorder, .. } = &calm;
     let logs = &sent.logs;
     let configured = faults::configured(args);
-    let lost_leases = leases::read(dir)?;
+    let stolen = recorder.stolen_leases();
+    let lease_log = leases::read(dir, &stolen)?;
+    if !stolen.is_empty() {
+        eprintln!(
+            "chaos: {} leases taken over; renewals that found out: {}; holders refused at the \
+             fence after their call: {}",
+            stolen.len(),
+            lease_log.lost.len(),
+            lease_log.fenced.len()
+        );
+    }
     let facts = audit::RunFacts {
         process_exits: recorder.unexpected_exits(),
         refused_users: &calm.refused_users,
@@ -268,7 +278,8 @@ pub(crate) async fn audit_and_report(
         outage_seconds: &calm.outage_seconds,
         configured: &configured,
         injected: &recorder.fault_totals(),
-        lost_leases: &lost_leases,
+        lost_leases: &lease_log.lost,
+        fenced_after_steal: &lease_log.fenced,
     };
     let invariants =
         audit::audit(&calm.pool, &calm.gateway_pool, logs, &calm.before, &facts).await?;

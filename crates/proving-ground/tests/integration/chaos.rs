@@ -225,9 +225,10 @@ fn a_crash_of_postgresql_under_asynchronous_commits_loses_acknowledged_rides() {
     for report in &failed_control(
         "async-commit",
         150,
-        // Every family, as before: with the database's faults alone, seeds 4 and 6 of 1-6 lost
-        // no acknowledged commit (why is not yet known; seed 6 passed its audit).
-        &FAMILIES,
+        // Every family but the straddles (which hold a run for their 42 s window and touch no
+        // commit): with the database's faults alone, seeds 4 and 6 of 1-6 lost no acknowledged
+        // commit (why is not yet known; seed 6 passed its audit).
+        &["kill", "crash", "gateway", "network", "database"],
         &["--without", "durable-commit"],
     ) {
         assert_eq!(

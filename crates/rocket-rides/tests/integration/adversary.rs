@@ -57,22 +57,26 @@ async fn delete_customer(app: &TestApp, customer: &str) {
 /// unconfirmed payment is spent by moving the service's clock (the gateway's work is over by
 /// then in every test here), any other by a short real sleep; bounded.
 async fn until_final(app: &TestApp, api_key: &str, key: &str) -> common::Reply {
-    for _ in 0..30 {
-        let reply = app.post_ride(Some(api_key), Some(key), RIDE).await;
-        if reply.status != 409 && reply.status != 503 {
-            return reply;
-        }
-        let after: u64 = reply
-            .header("retry-after")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1);
-        if common::problem_kind(&reply) == types::PAYMENT_UNCONFIRMED {
-            app.clock.advance(Duration::from_secs(after));
-        } else {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-    panic!("no final answer for key {key}");
+    testdb::until_every(
+        &format!("a final answer for key {key}"),
+        Duration::from_millis(200),
+        Duration::from_secs(15),
+        || async {
+            let reply = app.post_ride(Some(api_key), Some(key), RIDE).await;
+            if reply.status != 409 && reply.status != 503 {
+                return Some(reply);
+            }
+            if common::problem_kind(&reply) == types::PAYMENT_UNCONFIRMED {
+                let after: u64 = reply
+                    .header("retry-after")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(1);
+                app.clock.advance(Duration::from_secs(after));
+            }
+            None
+        },
+    )
+    .await
 }
 
 /// The invariants one key must satisfy once it finished: one charge at most, a 201 only with a
@@ -630,31 +634,31 @@ async fn fixed_the_layer_runs_a_handler_on_a_lease_that_ran_out_during_its_claim
         .await
         .unwrap();
     let a = tokio::spawn(send_effect(router.clone()));
-    let mut waiting = false;
-    for _ in 0..500 {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        if n > 0 {
-            waiting = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(waiting, "request A's takeover waits on the lock");
+    testdb::until(
+        "request A's takeover waits on the lock",
+        Duration::from_secs(5),
+        || async {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            (n > 0).then_some(())
+        },
+    )
+    .await;
     clock.advance(ttl + Duration::from_secs(1));
     blocker.rollback().await.unwrap();
-    // A got a lease that is over by its own clock, and runs its handler anyway.
-    for _ in 0..500 {
-        if effects.calls.load(Ordering::SeqCst) > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    // A got a lease that is over by its own clock: it runs its handler anyway (the fault), or
+    // answers without it.
+    testdb::until(
+        "request A ran its handler or answered",
+        Duration::from_secs(5),
+        || async { (effects.calls.load(Ordering::SeqCst) > 0 || a.is_finished()).then_some(()) },
+    )
+    .await;
     // Request B, the client's retry, takes the expired lease over while A's handler runs.
     let b = send_effect(router.clone()).await;
     let a = a.await.unwrap();

@@ -255,15 +255,18 @@ async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_not
         assert_eq!(reply.status, 201, "{reply:?}");
     }
     // The abandoned booking finished in its task: its retry is a replay once it has.
-    let abandoned = loop {
-        let reply = app
-            .post_ride(Some(&api_key), Some("admitted-0"), RIDE)
-            .await;
-        if reply.status != 409 {
-            break reply;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let abandoned = testdb::until_every(
+        "the abandoned booking's retry is answered other than 409",
+        Duration::from_millis(50),
+        Duration::from_secs(30),
+        || async {
+            let reply = app
+                .post_ride(Some(&api_key), Some("admitted-0"), RIDE)
+                .await;
+            (reply.status != 409).then_some(reply)
+        },
+    )
+    .await;
     assert_eq!(abandoned.status, 201, "{abandoned:?}");
     assert!(abandoned.replayed(), "{abandoned:?}");
     // The shed ones' retries, under the same keys, are first attempts: each books once.

@@ -699,19 +699,18 @@ async fn an_unconfirmed_lease_renewal_is_a_503_and_the_key_is_released(pool: PgP
     // Once the holder has given the call up, its release waits behind the blocker too.
     let releasing = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
                      AND query LIKE '%locked_until = NULL%'";
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
-    while sqlx::query_scalar::<_, i64>(releasing)
-        .fetch_one(&app.pool)
-        .await
-        .unwrap()
-        == 0
-    {
-        assert!(
-            tokio::time::Instant::now() < give_up,
-            "the holder never released its key after the unconfirmed renewal"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    testdb::until(
+        "the holder released its key after the unconfirmed renewal",
+        Duration::from_secs(10),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(releasing)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
     blocker.rollback().await.unwrap();
     let reply = booking.await.unwrap();
     assert_eq!(reply.status, 503, "{reply:?}");

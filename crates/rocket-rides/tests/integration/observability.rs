@@ -170,18 +170,13 @@ async fn serve_starts_without_its_database_and_is_ready_once_the_database_answer
             });
         }
     });
-    let mut status = 0;
-    for _ in 0..100 {
-        status = ready(app.http.clone(), address.clone()).await;
-        if status == 200 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(
-        status, 200,
-        "serve did not become ready once its database answered"
-    );
+    testdb::until_every(
+        "serve became ready once its database answered",
+        Duration::from_millis(100),
+        Duration::from_secs(10),
+        || async { (ready(app.http.clone(), address.clone()).await == 200).then_some(()) },
+    )
+    .await;
     serve.start_kill().unwrap();
 }
 

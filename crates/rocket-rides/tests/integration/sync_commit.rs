@@ -172,21 +172,23 @@ async fn synchronous(admin: &PgPool, on: bool) {
         .unwrap();
     // A new backend reads the reloaded file; the wait itself follows the checkpointer's view
     // of it, a moment later.
-    for _ in 0..100 {
-        let mut conn = admin.acquire().await.unwrap();
-        sqlx::query("SELECT 1").execute(&mut *conn).await.unwrap();
-        let shown: String = sqlx::query_scalar("SHOW synchronous_standby_names")
-            .fetch_one(&mut *conn)
-            .await
-            .unwrap();
-        conn.detach();
-        if shown == names {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("synchronous_standby_names never became {names:?}");
+    testdb::until(
+        &format!("synchronous_standby_names became {names:?}"),
+        Duration::from_secs(5),
+        || async {
+            let mut conn = admin.acquire().await.unwrap();
+            sqlx::query("SELECT 1").execute(&mut *conn).await.unwrap();
+            let shown: String = sqlx::query_scalar("SHOW synchronous_standby_names")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+            conn.detach();
+            (shown == names).then_some(())
+        },
+    )
+    .await;
+    // The checkpointer, which releases the waits, shows nothing of its view: a moment for it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
 }
 
 /// Cancels every wait for the synchronous standby, every 10 ms, until [`Canceller::stop`].

@@ -466,18 +466,15 @@ async fn the_heartbeat_keeps_the_lease_of_a_slow_gateway_call(pool: PgPool) {
     let renewed = |app: Arc<TestApp>, beyond: Duration| async move {
         // The lease as renewed by the holder must end after the moved clock + most of a TTL.
         let deadline = app.clock_now() + beyond;
-        for _ in 0..300 {
+        testdb::until("the lease was renewed", Duration::from_secs(5), || async {
             let until: Option<time::OffsetDateTime> =
                 sqlx::query_scalar("SELECT locked_until FROM idempotency_keys")
                     .fetch_one(&app.pool)
                     .await
                     .unwrap();
-            if until.is_some_and(|u| u > deadline) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the lease was not renewed");
+            until.is_some_and(|u| u > deadline).then_some(())
+        })
+        .await;
     };
     // Move time nearly a TTL on, twice, each time waiting for the holder to renew.
     for _ in 0..2 {
@@ -575,15 +572,20 @@ async fn sigterm_during_a_slow_request_exits_in_bounded_time_and_leaves_the_key_
         .spawn()
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    let mut up = false;
-    for _ in 0..200 {
-        if app.http.get(format!("{base}/healthz")).send().await.is_ok() {
-            up = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    assert!(up, "the server did not come up");
+    testdb::until_every(
+        "the server came up",
+        Duration::from_millis(25),
+        Duration::from_secs(10),
+        || async {
+            app.http
+                .get(format!("{base}/healthz"))
+                .send()
+                .await
+                .is_ok()
+                .then_some(())
+        },
+    )
+    .await;
 
     let request = {
         let (http, api_key, base) = (app.http.clone(), api_key.clone(), base.clone());

@@ -32,6 +32,7 @@ struct World {
     configured: Vec<&'static str>,
     injected: BTreeMap<String, u64>,
     lost_leases: Vec<LostLease>,
+    fenced_after_steal: Vec<(i64, i64)>,
 }
 
 fn user(id: i64) -> ClientUser {
@@ -198,6 +199,7 @@ impl World {
                 token: 3,
                 writes_after: Vec::new(),
             }],
+            fenced_after_steal: Vec::new(),
         }
     }
 
@@ -211,6 +213,7 @@ impl World {
             configured: &self.configured,
             injected: &self.injected,
             lost_leases: &self.lost_leases,
+            fenced_after_steal: &self.fenced_after_steal,
         };
         let evidence = Evidence {
             rides: self.rides.clone(),
@@ -603,11 +606,20 @@ fn lost_lease_stopped_its_holder_fails_on_a_write_after_the_loss() {
 }
 
 #[test]
-fn lost_lease_stopped_its_holder_fails_when_no_renewal_saw_a_lease_taken_over() {
+fn a_holder_that_found_out_at_the_fence_instead_of_a_renewal_passes() {
+    let mut world = World::healthy();
+    world.lost_leases.clear();
+    world.fenced_after_steal = vec![(7, 3)];
+    let result = world.verdict("lost_lease_stopped_its_holder");
+    assert!(result.passed, "{result:?}");
+}
+
+#[test]
+fn lost_lease_stopped_its_holder_fails_when_no_holder_found_out_its_lease_was_taken_over() {
     fails(
         "lost_lease_stopped_its_holder",
         1,
-        "1 leases taken over, and no renewal found out",
+        "1 leases taken over, and no holder found out",
         |w| w.lost_leases.clear(),
     );
 }

@@ -101,7 +101,8 @@ async fn steal_leases(
         }
         // Renewed since its last phase, and within the last heartbeat and a half: its
         // holder is alive and waiting on the gateway. Locked rows are in a phase: skipped.
-        let stolen: Result<Option<i64>, _> = sqlx::query_scalar(
+        // The holder's token is the one before the increment.
+        let stolen: Result<Option<(i64, i64)>, _> = sqlx::query_as(
             "WITH renewed AS (
                          SELECT owner, id FROM idempotency_keys
                          WHERE finished_at IS NULL
@@ -113,15 +114,15 @@ async fn steal_leases(
                      )
                      UPDATE idempotency_keys k SET lease_token = k.lease_token + 1
                      FROM renewed WHERE k.owner = renewed.owner AND k.id = renewed.id
-                     RETURNING k.id",
+                     RETURNING k.id, k.lease_token - 1",
         )
         .bind(renewed_after.as_millis() as i64)
         .bind(recently_renewed.as_millis() as i64)
         .bind(&spared)
         .fetch_optional(&stack.pool)
         .await;
-        if let Ok(Some(_)) = stolen {
-            stack.recorder.fault(LEASE_STOLEN, 1);
+        if let Ok(Some((key_id, token))) = stolen {
+            stack.recorder.lease_stolen(LEASE_STOLEN, key_id, token);
         }
     }
 }

@@ -437,17 +437,17 @@ impl TestApp {
     /// Waits (bounded) until the user's key has reached `point`: the signal that a request in
     /// another task or process is now inside the gateway call.
     pub async fn wait_for_point(&self, user_id: i64, point: &str) {
-        for _ in 0..500 {
-            if self
-                .key_state(user_id)
-                .await
-                .is_some_and(|(p, _)| p == point)
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("the key of user {user_id} never reached {point}");
+        testdb::until(
+            &format!("the key of user {user_id} reached {point}"),
+            Duration::from_secs(10),
+            || async {
+                self.key_state(user_id)
+                    .await
+                    .is_some_and(|(p, _)| p == point)
+                    .then_some(())
+            },
+        )
+        .await;
     }
 
     /// `POST /rides` until a final answer, honouring `Retry-After` on 409 and 503, as a client
@@ -620,13 +620,12 @@ pub async fn customer(app: &TestApp, user_id: i64) -> String {
 
 /// Waits (bounded) until the gateway holds `n` charges.
 pub async fn charges_come_to(app: &TestApp, n: i64) {
-    for _ in 0..500 {
-        if app.charges().await == n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("the gateway never came to {n} charges");
+    testdb::until(
+        &format!("the gateway came to {n} charges"),
+        Duration::from_secs(10),
+        || async { (app.charges().await == n).then_some(()) },
+    )
+    .await;
 }
 
 /// The migrations of `dir` below `below`, recorded in sqlx's table as the oldest bookkeeping did
