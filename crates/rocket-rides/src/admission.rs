@@ -368,7 +368,10 @@ mod tests {
         let slot = admitted(&gate);
         // A call that answers at once: the slot is held throughout.
         let free_during = slot.away(async { gate.slots.available_permits() }).await;
-        assert_eq!(free_during, 0, "the slot was given back for a call of no time");
+        assert_eq!(
+            free_during, 0,
+            "the slot was given back for a call of no time"
+        );
         assert!(matches!(*slot.held(), Held::Slot(_)));
         assert_eq!(gate.slots.available_permits(), 0);
         // A call that has not answered within the hold: the slot is free while it runs.
