@@ -25,7 +25,7 @@
 //!   for requests that rarely repeat (one transaction in every case).
 //! - **A phase** is a READ COMMITTED transaction whose first statement is the fenced update
 //!   `… WHERE id = $1 AND lease_token = $2`. Zero rows: the lease was taken over, the phase
-//!   returns [`Error::LeaseLost`] and the transaction rolls back. One row: the key row is now
+//!   returns [`Error::LeaseLost`](crate::Error::LeaseLost) and the transaction rolls back. One row: the key row is now
 //!   locked by this transaction until commit, so a takeover cannot lock it (`NOWAIT`) and
 //!   answers in flight without waiting (a claimer's read does not wait either: it sees the
 //!   lease the phase extends); the business writes that follow cannot interleave with a
@@ -38,7 +38,7 @@
 //!   (`idempotency_keys_unfinished`, written by the same statements that insert and finish a
 //!   key): the completer scans it, and the reaper scans keys by `created_at`.
 //! - **Every commit is confirmed.** A commit (or a claim's autocommit write) whose wait for a
-//!   synchronous standby the server reports cancelled is an [`Error::CommitUnconfirmed`], never a
+//!   synchronous standby the server reports cancelled is an [`Error::CommitUnconfirmed`](crate::Error::CommitUnconfirmed), never a
 //!   success ([`crate::commit_watch`]).
 //! - **Release** after a transient failure is fenced the same way, so a stale holder cannot free
 //!   a lease that is no longer its own.
