@@ -72,11 +72,11 @@ pub struct FailedJob {
 pub async fn run_once(state: &AppState, batch: i64) -> Result<Drained, DrainError> {
     let persistent = state.store.persistent();
     let mut db = state.store.autocommit().await?;
-    let candidates: Vec<(i64, i64)> = sqlx::query_as(
+    let candidates: Vec<(i64, i64, bool)> = sqlx::query_as(
         // Only the jobs this build knows: a job of a newer build waits for it without blocking
         // the others.
         "-- all users: a read of candidates, without locks; each user's are taken below.
-         SELECT user_id, id FROM staged_jobs
+         SELECT user_id, id, key_owner IS NULL FROM staged_jobs
          WHERE job_name = ANY($2)
          ORDER BY id LIMIT $1",
     )
@@ -86,8 +86,18 @@ pub async fn run_once(state: &AppState, batch: i64) -> Result<Drained, DrainErro
     .fetch_all(db.conn())
     .await?;
     db.done().await?;
+    // A job staged before migration 20261206100001 whose `key_owner` a `migrate` cut short did
+    // not fill: each user's statements below address it by owner and would pass it over, at the
+    // head of the queue, for good. Filled here, as `migrate` would have.
+    if candidates.iter().any(|&(_, _, unfilled)| unfilled) {
+        tracing::warn!(
+            "staged jobs without key_owner (a rocket-rides migrate cut short after migration \
+             20261206100001): filling every table's, as migrate does"
+        );
+        crate::db::fill_key_owners(&state.pool).await?;
+    }
     let mut by_user: BTreeMap<i64, Vec<i64>> = BTreeMap::new();
-    for (user_id, id) in candidates {
+    for (user_id, id, _) in candidates {
         by_user.entry(user_id).or_default().push(id);
     }
     let mut drained = Drained::default();
