@@ -196,6 +196,9 @@ impl Store {
             UPDATE idempotency_keys
             SET locked_until = $now + $4 * interval '1 millisecond'
             WHERE id = $1 AND owner = $2 AND lease_token = $3 AND finished_at IS NULL
+              -- Only a lease still held: a renewal reaching the row after its holder released
+              -- it (its answer given up on) must not lock the key again for a TTL.
+              AND locked_until IS NOT NULL
             RETURNING locked_until
             "#,
         );

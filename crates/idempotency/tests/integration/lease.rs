@@ -209,3 +209,60 @@ async fn the_heartbeat_must_leave_room_for_a_second_renewal(pool: PgPool) {
         );
     }
 }
+
+/// A renewal whose statement reaches the key row only after its holder released the key (sent
+/// before the release, its answer given up on, the release committed first) must not lock the
+/// key again: retries would be turned away for a whole TTL with no holder at all.
+#[testdb::test(template = crate::migrated)]
+async fn a_renewal_that_lands_after_the_release_does_not_lock_the_key_again(pool: PgPool) {
+    let store = Store::new(pool.clone(), Arc::new(DatabaseClock), TTL).unwrap();
+    let (key, body) = (
+        IdempotencyKey::parse(b"late-renewal").unwrap(),
+        json!({"amount": 5}),
+    );
+    let mut lease = acquire(&store, &key, &body).await;
+    // The release, as `Store::release` writes it, holds the row while the renewal comes to wait
+    // on it, and commits first.
+    let mut release = pool.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE idempotency_keys SET locked_until = NULL
+         WHERE idempotency_key = 'late-renewal' AND finished_at IS NULL",
+    )
+    .execute(&mut *release)
+    .await
+    .unwrap();
+    let renewer = store.clone();
+    let renewal = tokio::spawn(async move { renewer.renew(&mut lease).await });
+    testdb::until(
+        "the renewal came to wait on the released row",
+        Duration::from_secs(5),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
+    release.commit().await.unwrap();
+    let renewed = renewal.await.unwrap();
+    assert!(
+        matches!(renewed, Err(Error::LeaseLost { .. })),
+        "a renewal after the release must find the lease gone: {renewed:?}"
+    );
+    let locked_until: Option<OffsetDateTime> =
+        sqlx::query_scalar("SELECT locked_until FROM idempotency_keys")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(locked_until, None, "the key stays released");
+    // A retry claims it at once.
+    match store.claim::<OneStep>(request(&key, &body)).await.unwrap() {
+        Claim::Acquired(lease) => store.release(lease).await.unwrap(),
+        other => panic!("a retry after the release should take the key over, got {other:?}"),
+    }
+}
