@@ -40,7 +40,7 @@ use sqlx::{Connection, Executor, PgConnection, PgPool};
 pub mod doc_values;
 mod wait;
 
-pub use wait::{until, until_every, POLL_EVERY};
+pub use wait::{lock_waits, until, until_a_lock_wait, until_every, POLL_EVERY};
 
 pub use testdb_macros::test;
 

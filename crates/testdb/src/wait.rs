@@ -47,6 +47,27 @@ where
     }
 }
 
+/// How many statements of this database wait on a lock now (`pg_stat_activity`): the signal
+/// that a statement was sent and is held between its sending and its answer.
+pub async fn lock_waits(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("count the statements waiting on a lock")
+}
+
+/// Waits (bounded, [`until`]) until a statement of this database waits on a lock; `what` names
+/// it in the panic when none does within `within`.
+pub async fn until_a_lock_wait(pool: &sqlx::PgPool, what: &str, within: Duration) {
+    until(what, within, || async {
+        (lock_waits(pool).await > 0).then_some(())
+    })
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -681,13 +681,7 @@ async fn a_claim_of_an_expired_key_racing_the_reaper_and_another_claim_runs_once
         "the second claim and the reaper wait on the first claim's transaction",
         Duration::from_secs(10),
         || async {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&watcher)
-            .await
-            .unwrap();
+            let waiting = testdb::lock_waits(&watcher).await;
             (waiting >= 2 || (waiting >= 1 && reaping.is_finished())).then_some(())
         },
     )

@@ -479,25 +479,6 @@ async fn concurrent_claims_of_an_expired_key_replace_it_exactly_once(pool: PgPoo
     assert_eq!(store.count_unfinished().await.unwrap(), 0);
 }
 
-/// Waits (bounded) until a backend of this database waits for a row lock.
-async fn a_statement_waits_on_a_lock(pool: &PgPool) {
-    testdb::until(
-        "a statement came to wait on the lock",
-        Duration::from_secs(5),
-        || async {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(pool)
-            .await
-            .unwrap();
-            (waiting > 0).then_some(())
-        },
-    )
-    .await;
-}
-
 #[testdb::test(template = crate::migrated)]
 async fn a_claim_during_an_expiry_in_progress_waits_and_then_finds_the_new_key(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
@@ -547,7 +528,12 @@ async fn a_claim_during_an_expiry_in_progress_waits_and_then_finds_the_new_key(p
                 .unwrap()
         }
     });
-    a_statement_waits_on_a_lock(&pool).await;
+    testdb::until_a_lock_wait(
+        &pool,
+        "a statement came to wait on the lock",
+        Duration::from_secs(5),
+    )
+    .await;
     let lease = first.commit().await.unwrap();
     match waiting.await.unwrap() {
         Claim::InFlight { retry_after } => assert_eq!(retry_after, TTL),

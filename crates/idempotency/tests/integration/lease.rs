@@ -233,19 +233,10 @@ async fn a_renewal_that_lands_after_the_release_does_not_lock_the_key_again(pool
     .unwrap();
     let renewer = store.clone();
     let renewal = tokio::spawn(async move { renewer.renew(&mut lease).await });
-    testdb::until(
+    testdb::until_a_lock_wait(
+        &pool,
         "the renewal came to wait on the released row",
         Duration::from_secs(5),
-        || async {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-            (waiting > 0).then_some(())
-        },
     )
     .await;
     release.commit().await.unwrap();

@@ -837,7 +837,12 @@ async fn concurrent_begins_of_one_new_key_insert_it_once(pool: PgPool) {
                         .await
                         .unwrap();
                     // Held open until another begin waits on the insert.
-                    a_statement_waits_on_a_lock(&watcher).await;
+                    testdb::until_a_lock_wait(
+                        &watcher,
+                        "a statement came to wait on the lock",
+                        Duration::from_secs(5),
+                    )
+                    .await;
                     let _lease = first.commit().await.unwrap();
                     true
                 }
@@ -1159,26 +1164,6 @@ async fn a_holder_knows_by_its_own_clock_when_its_lease_may_be_gone(pool: PgPool
     ));
 }
 
-/// Waits (bounded) until a backend of this database waits for a row lock: the signal that a
-/// statement was sent and is held between its sending and its answer.
-async fn a_statement_waits_on_a_lock(pool: &PgPool) {
-    testdb::until(
-        "a statement came to wait on the lock",
-        Duration::from_secs(5),
-        || async {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(pool)
-            .await
-            .unwrap();
-            (waiting > 0).then_some(())
-        },
-    )
-    .await;
-}
-
 #[testdb::test(template = crate::migrated)]
 async fn a_claim_whose_answer_is_held_past_the_lease_knows_the_lease_is_gone(pool: PgPool) {
     let (store, clock) = setup(&pool).await;
@@ -1208,7 +1193,12 @@ async fn a_claim_whose_answer_is_held_past_the_lease_knows_the_lease_is_gone(poo
                 .unwrap()
         }
     });
-    a_statement_waits_on_a_lock(&pool).await;
+    testdb::until_a_lock_wait(
+        &pool,
+        "a statement came to wait on the lock",
+        Duration::from_secs(5),
+    )
+    .await;
     // Longer than a lease passes before the answer arrives.
     clock.advance(TTL + Duration::from_secs(1));
     holder.commit().await.unwrap();

@@ -634,19 +634,10 @@ async fn fixed_the_layer_runs_a_handler_on_a_lease_that_ran_out_during_its_claim
         .await
         .unwrap();
     let a = tokio::spawn(send_effect(router.clone()));
-    testdb::until(
+    testdb::until_a_lock_wait(
+        &pool,
         "request A's takeover waits on the lock",
         Duration::from_secs(5),
-        || async {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-            (n > 0).then_some(())
-        },
     )
     .await;
     clock.advance(ttl + Duration::from_secs(1));
