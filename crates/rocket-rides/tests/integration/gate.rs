@@ -109,16 +109,18 @@ async fn a_duplicate_waiting_with_prefer_wait_holds_no_slot(pool: PgPool) {
     let waiters: Vec<_> = (0..SLOTS)
         .map(|_| spawn_booking(&app, &api_key, "held", true))
         .collect();
-    for tries in 0.. {
-        if app.metric(in_flight).await >= f64::from(SLOTS) {
-            break;
-        }
-        assert!(
-            tries < 1000 && !waiters.iter().any(|w| w.is_finished()),
-            "the duplicates did not all find the key held"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    testdb::until(
+        "the duplicates all found the key held",
+        Duration::from_secs(20),
+        || async {
+            assert!(
+                !waiters.iter().any(|w| w.is_finished()),
+                "a duplicate ended before they all found the key held"
+            );
+            (app.metric(in_flight).await >= f64::from(SLOTS)).then_some(())
+        },
+    )
+    .await;
     // Every duplicate found the key held and waits: none holds a slot meanwhile.
     replay_and_read_go_on(&app, &api_key, &path, &done).await;
 
@@ -197,18 +199,18 @@ impl RiderLock {
         count: usize,
         bookings: &[tokio::task::JoinHandle<Reply>],
     ) {
-        let waiting = "SELECT count(*) FROM pg_stat_activity \
-            WHERE datname = current_database() AND wait_event_type = 'Lock'";
-        for tries in 0.. {
-            if app.count(waiting).await == count as i64 {
-                return;
-            }
-            assert!(
-                tries < 1000 && !bookings.iter().any(|b| b.is_finished()),
-                "the bookings did not all reach the lock"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        testdb::until(
+            "the bookings all reached the lock",
+            Duration::from_secs(20),
+            || async {
+                assert!(
+                    !bookings.iter().any(|b| b.is_finished()),
+                    "a booking ended before they all reached the lock"
+                );
+                (testdb::lock_waits(&app.pool).await == count as i64).then_some(())
+            },
+        )
+        .await;
     }
 
     /// Lets the bookings behind it go on.
