@@ -218,6 +218,13 @@ impl std::fmt::Debug for Metrics {
 
 struct Inner {
     registry: Registry,
+    edge: Edge,
+    bookings: Bookings,
+    upkeep: Upkeep,
+}
+
+/// The HTTP edge: requests, their time, the gate and the connections.
+struct Edge {
     http_requests: Family<HttpLabels, Counter>,
     http_duration: Histograms<HttpLabels>,
     requests_shed: Counter,
@@ -225,6 +232,10 @@ struct Inner {
     admission_overdrawn: Counter,
     connections_open: Gauge,
     connections_refused: Counter,
+}
+
+/// The bookings: claims, phases, the gateway and how requests ended.
+struct Bookings {
     claims: Family<OutcomeLabel, Counter>,
     claim_duration: Histogram,
     phase_duration: Histograms<PhaseLabel>,
@@ -233,6 +244,10 @@ struct Inner {
     reconciliations: Family<OutcomeLabel, Counter>,
     payments_refused: Counter,
     leases_lost: Counter,
+}
+
+/// The worker's loops and the database: what finishes, delivers and reaps, and the pool.
+struct Upkeep {
     completer: Family<OutcomeLabel, Counter>,
     receipts_delivered: Counter,
     jobs_failed: Counter,
@@ -248,156 +263,183 @@ impl Default for Metrics {
     fn default() -> Self {
         let mut r = Registry::default();
         let inner = Inner {
-            http_requests: add(
-                &mut r,
-                "http_requests",
-                "HTTP requests answered, by method, route template and status",
-                Family::<HttpLabels, Counter>::default(),
-            ),
-            http_duration: seconds(
-                &mut r,
-                "http_request_duration",
-                "Time to answer an HTTP request, by method, route template and status",
-                Family::new_with_constructor(seconds_histogram),
-            ),
-            requests_shed: add(
-                &mut r,
-                "http_requests_shed",
-                "Requests answered 503 at once because as many were in flight as the server takes",
-                Counter::default(),
-            ),
-            requests_timed_out: add(
-                &mut r,
-                "http_requests_timed_out",
-                "Requests answered 503 because they ran past the request deadline",
-                Counter::default(),
-            ),
-            admission_overdrawn: add(
-                &mut r,
-                "http_admission_overdrawn",
-                "Admitted bookings that came back from the gateway or a wait to no free admission slot and went on on credit",
-                Counter::default(),
-            ),
-            connections_open: add(
-                &mut r,
-                "http_connections_open",
-                "Connections open now",
-                Gauge::default(),
-            ),
-            connections_refused: add(
-                &mut r,
-                "http_connections_refused",
-                "Connections answered 503 and closed because as many were open as the server takes",
-                Counter::default(),
-            ),
-            claims: add(
-                &mut r,
-                "idempotency_claims",
-                "Claims of idempotency keys, by outcome",
-                Family::<OutcomeLabel, Counter>::default(),
-            ),
-            claim_duration: seconds(
-                &mut r,
-                "idempotency_claim_duration",
-                "Time of one claim: the read of the key and, for a new or abandoned key, the write that \
-                 claims it (a new key's insert opens the transaction of its first phase)",
-                seconds_histogram(),
-            ),
-            phase_duration: seconds(
-                &mut r,
-                "booking_phase_duration",
-                "Time of one atomic phase of a booking, from its first statement to its commit, by the \
-                 recovery point it commits",
-                Family::new_with_constructor(seconds_histogram),
-            ),
-            gateway_duration: seconds(
-                &mut r,
-                "gateway_call_duration",
-                "Time of one call to the payment gateway, by call",
-                Family::new_with_constructor(seconds_histogram),
-            ),
-            charges: add(
-                &mut r,
-                "gateway_charges",
-                "Calls to the gateway's charge endpoint, by outcome",
-                Family::<OutcomeLabel, Counter>::default(),
-            ),
-            reconciliations: add(
-                &mut r,
-                "gateway_reconciliations",
-                "Lists of a customer's charges made because the gateway key could not be trusted, by \
-                 outcome",
-                Family::<OutcomeLabel, Counter>::default(),
-            ),
-            payments_refused: add(
-                &mut r,
-                "payments_refused",
-                "Requests finished with 502 because the gateway refused the charge for good",
-                Counter::default(),
-            ),
-            leases_lost: add(
-                &mut r,
-                "idempotency_leases_lost",
-                "Requests stopped because another holder took their key over",
-                Counter::default(),
-            ),
-            completer: add(
-                &mut r,
-                "completer_keys",
-                "Keys the completer claimed, and how each attempt ended",
-                Family::<OutcomeLabel, Counter>::default(),
-            ),
-            receipts_delivered: add(
-                &mut r,
-                "outbox_receipts_delivered",
-                "Ride receipts the outbox drain delivered",
-                Counter::default(),
-            ),
-            jobs_failed: add(
-                &mut r,
-                "outbox_jobs_failed",
-                "Staged jobs that could not be run and were moved to failed_jobs",
-                Counter::default(),
-            ),
-            keys_reaped: add(
-                &mut r,
-                "reaper_keys_deleted",
-                "Finished keys the reaper deleted",
-                Counter::default(),
-            ),
-            unfinished_keys: add(
-                &mut r,
-                "idempotency_keys_unfinished",
-                "Keys not yet finished, across all processes (read from the database at most every 5 s)",
-                Gauge::default(),
-            ),
-            unfinished_read_at: tokio::sync::Mutex::new(None),
-            pool_connections: add(
-                &mut r,
-                "db_pool_connections",
-                "This process's database connections, in use or idle (read at scrape time)",
-                Family::<StateLabel, Gauge>::default(),
-            ),
-            pool_max: add(
-                &mut r,
-                "db_pool_connections_max",
-                "The most database connections this process's pool opens",
-                Gauge::default(),
-            ),
+            edge: Edge::register(&mut r),
+            bookings: Bookings::register(&mut r),
+            upkeep: Upkeep::register(&mut r),
             registry: r,
         };
         // Known outcomes start at zero.
         for (family, names) in [
-            (&inner.claims, &CLAIM_OUTCOMES[..]),
-            (&inner.charges, &CHARGE_OUTCOMES[..]),
-            (&inner.reconciliations, &RECONCILIATIONS[..]),
-            (&inner.completer, &COMPLETER_OUTCOMES[..]),
+            (&inner.bookings.claims, &CLAIM_OUTCOMES[..]),
+            (&inner.bookings.charges, &CHARGE_OUTCOMES[..]),
+            (&inner.bookings.reconciliations, &RECONCILIATIONS[..]),
+            (&inner.upkeep.completer, &COMPLETER_OUTCOMES[..]),
         ] {
             for outcome in names {
                 drop(family.get_or_create(&OutcomeLabel { outcome }));
             }
         }
         Self(Arc::new(inner))
+    }
+}
+
+impl Edge {
+    /// Registers each metric of the family in `r`.
+    fn register(r: &mut Registry) -> Self {
+        Self {
+        http_requests: add(
+            r,
+            "http_requests",
+            "HTTP requests answered, by method, route template and status",
+            Family::<HttpLabels, Counter>::default(),
+        ),
+        http_duration: seconds(
+            r,
+            "http_request_duration",
+            "Time to answer an HTTP request, by method, route template and status",
+            Family::new_with_constructor(seconds_histogram),
+        ),
+        requests_shed: add(
+            r,
+            "http_requests_shed",
+            "Requests answered 503 at once because as many were in flight as the server takes",
+            Counter::default(),
+        ),
+        requests_timed_out: add(
+            r,
+            "http_requests_timed_out",
+            "Requests answered 503 because they ran past the request deadline",
+            Counter::default(),
+        ),
+        admission_overdrawn: add(
+            r,
+            "http_admission_overdrawn",
+            "Admitted bookings that came back from the gateway or a wait to no free admission slot and went on on credit",
+            Counter::default(),
+        ),
+        connections_open: add(
+            r,
+            "http_connections_open",
+            "Connections open now",
+            Gauge::default(),
+        ),
+        connections_refused: add(
+            r,
+            "http_connections_refused",
+            "Connections answered 503 and closed because as many were open as the server takes",
+            Counter::default(),
+        ),
+        }
+    }
+}
+
+impl Bookings {
+    /// Registers each metric of the family in `r`.
+    fn register(r: &mut Registry) -> Self {
+        Self {
+        claims: add(
+            r,
+            "idempotency_claims",
+            "Claims of idempotency keys, by outcome",
+            Family::<OutcomeLabel, Counter>::default(),
+        ),
+        claim_duration: seconds(
+            r,
+            "idempotency_claim_duration",
+            "Time of one claim: the read of the key and, for a new or abandoned key, the write that \
+             claims it (a new key's insert opens the transaction of its first phase)",
+            seconds_histogram(),
+        ),
+        phase_duration: seconds(
+            r,
+            "booking_phase_duration",
+            "Time of one atomic phase of a booking, from its first statement to its commit, by the \
+             recovery point it commits",
+            Family::new_with_constructor(seconds_histogram),
+        ),
+        gateway_duration: seconds(
+            r,
+            "gateway_call_duration",
+            "Time of one call to the payment gateway, by call",
+            Family::new_with_constructor(seconds_histogram),
+        ),
+        charges: add(
+            r,
+            "gateway_charges",
+            "Calls to the gateway's charge endpoint, by outcome",
+            Family::<OutcomeLabel, Counter>::default(),
+        ),
+        reconciliations: add(
+            r,
+            "gateway_reconciliations",
+            "Lists of a customer's charges made because the gateway key could not be trusted, by \
+             outcome",
+            Family::<OutcomeLabel, Counter>::default(),
+        ),
+        payments_refused: add(
+            r,
+            "payments_refused",
+            "Requests finished with 502 because the gateway refused the charge for good",
+            Counter::default(),
+        ),
+        leases_lost: add(
+            r,
+            "idempotency_leases_lost",
+            "Requests stopped because another holder took their key over",
+            Counter::default(),
+        ),
+        }
+    }
+}
+
+impl Upkeep {
+    /// Registers each metric of the family in `r`.
+    fn register(r: &mut Registry) -> Self {
+        Self {
+        completer: add(
+            r,
+            "completer_keys",
+            "Keys the completer claimed, and how each attempt ended",
+            Family::<OutcomeLabel, Counter>::default(),
+        ),
+        receipts_delivered: add(
+            r,
+            "outbox_receipts_delivered",
+            "Ride receipts the outbox drain delivered",
+            Counter::default(),
+        ),
+        jobs_failed: add(
+            r,
+            "outbox_jobs_failed",
+            "Staged jobs that could not be run and were moved to failed_jobs",
+            Counter::default(),
+        ),
+        keys_reaped: add(
+            r,
+            "reaper_keys_deleted",
+            "Finished keys the reaper deleted",
+            Counter::default(),
+        ),
+        unfinished_keys: add(
+            r,
+            "idempotency_keys_unfinished",
+            "Keys not yet finished, across all processes (read from the database at most every 5 s)",
+            Gauge::default(),
+        ),
+        unfinished_read_at: tokio::sync::Mutex::new(None),
+        pool_connections: add(
+            r,
+            "db_pool_connections",
+            "This process's database connections, in use or idle (read at scrape time)",
+            Family::<StateLabel, Gauge>::default(),
+        ),
+        pool_max: add(
+            r,
+            "db_pool_connections_max",
+            "The most database connections this process's pool opens",
+            Gauge::default(),
+        ),
+        }
     }
 }
 
@@ -417,49 +459,54 @@ impl Metrics {
     /// The size this process's pool may grow to: what `db_pool_connections{state="in_use"}`
     /// saturates at.
     pub fn pool_max(&self, max_connections: u32) {
-        self.0.pool_max.set(i64::from(max_connections));
+        self.0.upkeep.pool_max.set(i64::from(max_connections));
     }
 
     /// Counts a request shed by the edge.
     pub fn request_shed(&self) {
-        self.0.requests_shed.inc();
+        self.0.edge.requests_shed.inc();
     }
 
     /// Counts an admitted booking that went on without a slot (see [`crate::admission`]).
     pub fn admission_overdrawn(&self) {
-        self.0.admission_overdrawn.inc();
+        self.0.edge.admission_overdrawn.inc();
     }
 
     /// Counts a request stopped at its deadline.
     pub fn request_timed_out(&self) {
-        self.0.requests_timed_out.inc();
+        self.0.edge.requests_timed_out.inc();
     }
 
     /// A connection was accepted.
     pub fn connection_opened(&self) {
-        self.0.connections_open.inc();
+        self.0.edge.connections_open.inc();
     }
 
     /// A connection ended.
     pub fn connection_closed(&self) {
-        self.0.connections_open.dec();
+        self.0.edge.connections_open.dec();
     }
 
     /// A connection was refused: too many open.
     pub fn connection_refused(&self) {
-        self.0.connections_refused.inc();
+        self.0.edge.connections_refused.inc();
     }
 
     /// Counts one claim and how long it took.
     pub fn claim(&self, outcome: ClaimOutcome, took: Duration) {
         let outcome = outcome.name();
-        self.0.claims.get_or_create(&OutcomeLabel { outcome }).inc();
-        self.0.claim_duration.observe(took.as_secs_f64());
+        self.0
+            .bookings
+            .claims
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
+        self.0.bookings.claim_duration.observe(took.as_secs_f64());
     }
 
     /// Times one committed phase of a booking, by the recovery point it committed.
     pub fn phase(&self, phase: &'static str, took: Duration) {
         self.0
+            .bookings
             .phase_duration
             .get_or_create(&PhaseLabel { phase })
             .observe(took.as_secs_f64());
@@ -469,6 +516,7 @@ impl Metrics {
     pub fn gateway_call(&self, call: GatewayCall, took: Duration) {
         let call = GATEWAY_CALLS[call as usize];
         self.0
+            .bookings
             .gateway_duration
             .get_or_create(&CallLabel { call })
             .observe(took.as_secs_f64());
@@ -478,6 +526,7 @@ impl Metrics {
     pub fn charge(&self, outcome: ChargeOutcome) {
         let outcome = CHARGE_OUTCOMES[outcome as usize];
         self.0
+            .bookings
             .charges
             .get_or_create(&OutcomeLabel { outcome })
             .inc();
@@ -487,6 +536,7 @@ impl Metrics {
     pub fn reconciliation(&self, outcome: Reconciliation) {
         let outcome = RECONCILIATIONS[outcome as usize];
         self.0
+            .bookings
             .reconciliations
             .get_or_create(&OutcomeLabel { outcome })
             .inc();
@@ -494,12 +544,12 @@ impl Metrics {
 
     /// Counts a request finished with a 502 because the gateway refused its charge for good.
     pub fn payment_refused(&self) {
-        self.0.payments_refused.inc();
+        self.0.bookings.payments_refused.inc();
     }
 
     /// Counts a request or completer attempt that found its lease taken over.
     pub fn lease_lost(&self) {
-        self.0.leases_lost.inc();
+        self.0.bookings.leases_lost.inc();
     }
 
     /// Counts one completer pass: how many keys had each outcome.
@@ -507,6 +557,7 @@ impl Metrics {
         for (outcome, n) in counts {
             let outcome = COMPLETER_OUTCOMES[outcome as usize];
             self.0
+                .upkeep
                 .completer
                 .get_or_create(&OutcomeLabel { outcome })
                 .inc_by(n as u64);
@@ -515,17 +566,17 @@ impl Metrics {
 
     /// Counts receipts the outbox drain delivered.
     pub fn receipts_delivered(&self, n: u64) {
-        self.0.receipts_delivered.inc_by(n);
+        self.0.upkeep.receipts_delivered.inc_by(n);
     }
 
     /// Counts staged jobs moved aside.
     pub fn jobs_failed(&self, n: u64) {
-        self.0.jobs_failed.inc_by(n);
+        self.0.upkeep.jobs_failed.inc_by(n);
     }
 
     /// Counts keys the reaper deleted.
     pub fn keys_reaped(&self, n: u64) {
-        self.0.keys_reaped.inc_by(n);
+        self.0.upkeep.keys_reaped.inc_by(n);
     }
 
     /// Counts one answered request and how long it took, by method, route template and status.
@@ -542,8 +593,9 @@ impl Metrics {
             route: route.to_owned(),
             status,
         };
-        self.0.http_requests.get_or_create(&labels).inc();
+        self.0.edge.http_requests.get_or_create(&labels).inc();
         self.0
+            .edge
             .http_duration
             .get_or_create(&labels)
             .observe(took.as_secs_f64());
@@ -559,7 +611,7 @@ impl Metrics {
         count: impl Future<Output = Result<i64, E>>,
     ) {
         // A scrape does not wait on another's read: it shows the value as it stands.
-        let Ok(mut read_at) = self.0.unfinished_read_at.try_lock() else {
+        let Ok(mut read_at) = self.0.upkeep.unfinished_read_at.try_lock() else {
             return;
         };
         if read_at.is_some_and(|at| now.saturating_duration_since(at) < UNFINISHED_KEYS_REFRESH) {
@@ -568,7 +620,7 @@ impl Metrics {
         *read_at = Some(now);
         match count.await {
             Ok(unfinished) => {
-                self.0.unfinished_keys.set(unfinished);
+                self.0.upkeep.unfinished_keys.set(unfinished);
             }
             Err(e) => tracing::warn!(error = %e, "metrics: cannot count unfinished keys"),
         }
@@ -582,6 +634,7 @@ impl Metrics {
             let in_use = (i64::from(size) - idle).max(0);
             for (state, value) in [("in_use", in_use), ("idle", idle)] {
                 self.0
+                    .upkeep
                     .pool_connections
                     .get_or_create(&StateLabel { state })
                     .set(value);
