@@ -172,22 +172,6 @@ async fn requests_past_the_bound_in_flight_are_shed_at_once(pool: PgPool) {
     assert_eq!(app.get(&api_key, "/healthz").await.status, 200);
 }
 
-/// `POST /rides` with `key` from a task of its own.
-fn spawn_booking(
-    app: &TestApp,
-    api_key: &str,
-    key: &str,
-) -> tokio::task::JoinHandle<common::Reply> {
-    let request = app
-        .http
-        .post(format!("{}/rides", app.base))
-        .bearer_auth(api_key)
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(RIDE);
-    tokio::spawn(async move { common::Reply::read(request.send().await.unwrap()).await })
-}
-
 /// Rows of the user's key `key`.
 async fn key_rows(app: &TestApp, key: &str) -> i64 {
     app.count_owned(format!(
@@ -211,12 +195,12 @@ async fn bookings_past_the_admission_limit_are_shed_after_the_wait_and_write_not
     // the lock on their rider lets them go on.
     let lock = crate::gate::RiderLock::take(&pool, user_id).await;
     let mut admitted: Vec<_> = (0..ADMITTED)
-        .map(|i| spawn_booking(&app, &api_key, &format!("admitted-{i}")))
+        .map(|i| app.spawn_booking(&api_key, &format!("admitted-{i}"), false))
         .collect();
     lock.until_waited_on(&app, ADMITTED, &admitted).await;
     // More at once than the gate admits: each waits its 20 ms, finds no slot, and is shed.
     let shed: Vec<_> = (0..SHED)
-        .map(|i| spawn_booking(&app, &api_key, &format!("shed-{i}")))
+        .map(|i| app.spawn_booking(&api_key, &format!("shed-{i}"), false))
         .collect();
     for (i, reply) in shed.into_iter().enumerate() {
         let reply = reply.await.unwrap();

@@ -30,26 +30,6 @@ async fn gated(pool: PgPool) -> (TestApp, String) {
     (app, api_key)
 }
 
-/// `POST /rides` on a task of its own; with `wait`, as `Prefer: wait=10`.
-fn spawn_booking(
-    app: &TestApp,
-    api_key: &str,
-    key: &str,
-    wait: bool,
-) -> tokio::task::JoinHandle<Reply> {
-    let mut request = app
-        .http
-        .post(format!("{}/rides", app.base))
-        .bearer_auth(api_key)
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(RIDE);
-    if wait {
-        request = request.header("prefer", "wait=10");
-    }
-    tokio::spawn(async move { Reply::read(request.send().await.unwrap()).await })
-}
-
 /// A finished booking: its key (to replay) and its ride's path (to read).
 async fn booked(app: &TestApp, api_key: &str) -> (String, Reply) {
     let done = app.post_ride(Some(api_key), Some("done"), RIDE).await;
@@ -76,12 +56,12 @@ async fn bookings_waiting_on_the_gateway_leave_their_slots_to_replays_reads_and_
     // As many bookings as the gate has slots, all at the gateway, which takes its time.
     app.gateway.hold_charges();
     let mut slow: Vec<_> = (0..SLOTS)
-        .map(|i| spawn_booking(&app, &api_key, &format!("slow-{i}"), false))
+        .map(|i| app.spawn_booking(&api_key, &format!("slow-{i}"), false))
         .collect();
     app.gateway.charges_held(SLOTS as usize).await;
     replay_and_read_go_on(&app, &api_key, &path, &done).await;
     // A new booking is admitted too, and reaches the gateway.
-    slow.push(spawn_booking(&app, &api_key, "one-more", false));
+    slow.push(app.spawn_booking(&api_key, "one-more", false));
     app.gateway.charges_held(SLOTS as usize + 1).await;
 
     app.gateway.release_charges();
@@ -102,12 +82,12 @@ async fn a_duplicate_waiting_with_prefer_wait_holds_no_slot(pool: PgPool) {
     let (app, api_key) = gated(pool).await;
     let (path, done) = booked(&app, &api_key).await;
     app.gateway.hold_charges();
-    let holder = spawn_booking(&app, &api_key, "held", false);
+    let holder = app.spawn_booking(&api_key, "held", false);
     app.gateway.charges_held(1).await;
     // As many duplicates as the gate has slots, each asking to wait for the holder's answer.
     let in_flight = r#"idempotency_claims_total{outcome="in_flight"}"#;
     let waiters: Vec<_> = (0..SLOTS)
-        .map(|_| spawn_booking(&app, &api_key, "held", true))
+        .map(|_| app.spawn_booking(&api_key, "held", true))
         .collect();
     testdb::until(
         "the duplicates all found the key held",
@@ -141,13 +121,13 @@ async fn a_booking_back_from_the_gateway_to_no_free_slot_is_not_shed(pool: PgPoo
     let (app, api_key) = gated(pool.clone()).await;
     let (other_id, other_key) = app.user("other@example.com", "tok_visa").await;
     app.gateway.hold_charges();
-    let away = spawn_booking(&app, &api_key, "away", false);
+    let away = app.spawn_booking(&api_key, "away", false);
     app.gateway.charges_held(1).await;
     // Meanwhile the other rider's bookings take both slots, and keep them: each stops at its
     // ride's insert, behind a lock this test holds on the rider's row.
     let lock = RiderLock::take(&pool, other_id).await;
     let blocked: Vec<_> = (0..SLOTS)
-        .map(|i| spawn_booking(&app, &other_key, &format!("blocked-{i}"), false))
+        .map(|i| app.spawn_booking(&other_key, &format!("blocked-{i}"), false))
         .collect();
     lock.until_waited_on(&app, SLOTS as usize, &blocked).await;
     // The gateway answers: the booking finds no slot free, waits, and goes on without one.

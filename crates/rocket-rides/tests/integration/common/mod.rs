@@ -332,6 +332,26 @@ impl TestApp {
         (user.id, user.api_key)
     }
 
+    /// `POST /rides` of [`RIDE`] on a task of its own; with `wait`, as `Prefer: wait=10`.
+    pub fn spawn_booking(
+        &self,
+        api_key: &str,
+        key: &str,
+        wait: bool,
+    ) -> tokio::task::JoinHandle<Reply> {
+        let mut request = self
+            .http
+            .post(format!("{}/rides", self.base))
+            .bearer_auth(api_key)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(RIDE);
+        if wait {
+            request = request.header("prefer", "wait=10");
+        }
+        tokio::spawn(async move { Reply::read(request.send().await.unwrap()).await })
+    }
+
     /// `POST /rides` with optional API key and idempotency key header values.
     pub async fn post_ride(&self, api_key: Option<&str>, key: Option<&str>, body: &str) -> Reply {
         let mut request = self
