@@ -416,10 +416,67 @@ mod disarmed {
     }
 }
 
-/// Whether the request or job passing `point` must stop here as if the process died (a test
-/// armed it). A configured crash exits the process instead of returning. Always false in builds
-/// without the `failpoints` feature.
-pub(crate) fn hit(failpoints: &Failpoints, point: &'static str) -> bool {
+// The seams: the only places the booking, the handler and the worker pass a point. Each is named
+// for the boundary it sits on, so that the booking's flow reads as the pattern and one line per
+// boundary says "a test may stop here".
+
+/// Seam 1, **the charge step begins** (`booking::charging`, once the step has its ride): a crash
+/// at [`AFTER_RIDE_CREATED`] when this holder's previous step just committed the ride (the step
+/// that created it handed the ride on: nothing was read or written since its commit), then the
+/// stand-still at [`AFTER_RIDE_LOADED`].
+pub(crate) async fn charge_step_begins(failpoints: &Failpoints, ride_just_created: bool) {
+    if ride_just_created {
+        crash(failpoints, AFTER_RIDE_CREATED);
+    }
+    failpoints.stand_still(AFTER_RIDE_LOADED).await;
+}
+
+/// Where a booking crosses the gateway's boundary ([`gateway`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Gateway {
+    /// Before a create call leaves, with nothing of the seam's to do: the call's record is
+    /// still fresh, or was just written and passed already.
+    Leaving,
+    /// Before a create call leaves, right after the phase that started the key's next
+    /// generation committed.
+    NewGeneration,
+    /// Before a create call leaves, right after its record committed (`record_attempt`); the
+    /// booking checks again afterwards whether the record is still fresh.
+    Recorded,
+    /// The gateway showed a succeeded charge (its answer to the call, a reconciling list, or a
+    /// retrieve), before the charge is recorded.
+    Charged,
+}
+
+/// Seam 2, **the gateway**: before a create call leaves (`Charging::run`, each pass of its
+/// record check) and when a succeeded charge comes back (`Charging::settle`). A crash at
+/// [`AFTER_NEW_GENERATION`] or [`AFTER_GATEWAY_CHARGE`], a stand-still at
+/// [`AFTER_CALL_RECORDED`].
+pub(crate) async fn gateway(failpoints: &Failpoints, crossing: Gateway) {
+    match crossing {
+        Gateway::Leaving => {}
+        Gateway::NewGeneration => crash(failpoints, AFTER_NEW_GENERATION),
+        Gateway::Recorded => failpoints.stand_still(AFTER_CALL_RECORDED).await,
+        Gateway::Charged => crash(failpoints, AFTER_GATEWAY_CHARGE),
+    }
+}
+
+/// Seam 3, **before acknowledging** an effect that is already committed: the stored answer
+/// before it leaves ([`AFTER_FINISHED`], `handlers::rides`), a receipt before its job is deleted
+/// ([`AFTER_RECEIPT_EFFECT`], `worker::outbox`). Whether the caller must stop here as if the
+/// process died (a test armed the point); a configured crash exits the process instead of
+/// returning. Always false in builds without the `failpoints` feature.
+pub(crate) fn before_acknowledging(failpoints: &Failpoints, point: &'static str) -> bool {
     failpoints.maybe_crash(point);
     failpoints.fire(point)
+}
+
+/// Stops a booking's step here as if the process died, if a test armed `point`: the task
+/// panics, and the driver leaves the lease to expire, as a dead process leaves it (the
+/// completer releases it with a backoff). A configured crash exits the process instead.
+fn crash(failpoints: &Failpoints, point: &'static str) {
+    failpoints.maybe_crash(point);
+    if failpoints.fire(point) {
+        panic!("crashed at failpoint {point}");
+    }
 }

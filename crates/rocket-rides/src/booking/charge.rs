@@ -12,6 +12,7 @@ use super::error::{db, BookingError};
 use super::target::{
     gateway_key, ChargeTarget, Charging, Doubt, Found, Kept, RidePoint, Rider, Window,
 };
+use crate::failpoints::{self, Gateway};
 use crate::metrics::{ChargeOutcome, GatewayCall};
 use crate::stripe::{Charge, ChargeError, NewCharge};
 
@@ -66,10 +67,16 @@ impl Charging<'_> {
         let state = self.rider.state;
         let mut reconciled = false;
         loop {
+            // What the call's seam passes first (`failpoints::gateway`): a new generation's
+            // commit, or nothing of its own.
+            let mut passing = Gateway::Leaving;
             if let Some(doubt) = self.target.doubt() {
                 reconciled = true;
-                if let Some(end) = self.reconcile(step, doubt).await? {
-                    return Ok(end);
+                match self.reconcile(step, doubt).await? {
+                    Some(end) => return Ok(end),
+                    // No charge of the request's: the key's next generation committed, and its
+                    // call follows.
+                    None => passing = Gateway::NewGeneration,
                 }
             }
             // Every call's time is recorded before it leaves, and the call leaves within one
@@ -83,17 +90,18 @@ impl Charging<'_> {
             // whether the generation is past the key window: a holder that stood still since it
             // read its ride must not call under a key the gateway may have forgotten.
             let resumed = !self.target.fresh;
-            while !self.target.fresh
-                || since_record(state, step.lease().await?) >= state.store.heartbeat()
-            {
+            loop {
+                failpoints::gateway(&state.failpoints, passing).await;
+                if self.target.fresh
+                    && since_record(state, step.lease().await?) < state.store.heartbeat()
+                {
+                    break;
+                }
                 if self.record_attempt(step).await? == Window::Past {
                     break;
                 }
                 self.target.fresh = true;
-                state
-                    .failpoints
-                    .stand_still(crate::failpoints::AFTER_CALL_RECORDED)
-                    .await;
+                passing = Gateway::Recorded;
             }
             if self.target.past_window {
                 // Nothing was sent: reconcile first.

@@ -78,12 +78,3 @@ impl From<sqlx::Error> for BookingError {
 pub(crate) fn db(context: &'static str) -> impl FnOnce(sqlx::Error) -> BookingError {
     move |e| BookingError::Internal(format!("{context}: {e}"))
 }
-
-/// Stops the step here as if the process died, if a test armed this crash point: the task
-/// panics, and the driver leaves the lease to expire, as a dead process leaves it (the
-/// completer releases it with a backoff). A configured crash exits the process instead.
-pub(super) fn crash_point(state: &crate::state::AppState, point: &'static str) {
-    if crate::failpoints::hit(&state.failpoints, point) {
-        panic!("crashed at failpoint {point}");
-    }
-}

@@ -39,14 +39,14 @@
 //!
 //! | file | what it holds |
 //! |---|---|
-//! | `mod.rs` | [`Booking`]: the step of each recovery point, the shutdown, the crash points |
+//! | `mod.rs` | [`Booking`]: the step of each recovery point, the shutdown |
 //! | `legacy.rs` | the point only earlier versions wrote (`charge_created`) |
 //! | `charge.rs` | the charge loop, the gateway call, each call's record (`Charging`'s methods) |
 //! | `reconcile.rs` | the doubts, the wait for calls in flight, the list, the next key generation |
 //! | `outcomes.rs` | how a charge ends: paid, pending, declined, refused; their answers |
 //! | `target.rs` | [`RidePoint`], the rider (the key's owner, parsed once per step), [`ChargeTarget`], `Charging` |
 //! | `rows.rs` | the ride, charge, receipt and audit statements, shared with `POST /bench/rides` |
-//! | `error.rs` | [`BookingError`] and the driver's view of it; the crash points |
+//! | `error.rs` | [`BookingError`] and the driver's view of it |
 
 use idempotency::{Advance, Halt, Step, Workflow};
 
@@ -137,9 +137,6 @@ impl Booking {
         match point {
             RidePoint::Started => create_ride(&rider, step).await,
             RidePoint::RideCreated => {
-                if step.arrived() {
-                    error::crash_point(&self.state, crate::failpoints::AFTER_RIDE_CREATED);
-                }
                 charging(rider, self.slot.as_ref(), step)
                     .await?
                     .run(step)
@@ -231,11 +228,10 @@ async fn charging<'a>(
         Some(target) => target,
         None => ChargeTarget::load(&rider, step.arrived()).await?,
     };
-    rider
-        .state
-        .failpoints
-        .stand_still(crate::failpoints::AFTER_RIDE_LOADED)
-        .await;
+    // Only the step that created the ride moves a key to a charge step's point (`charge_pending`
+    // is reached inside the charge step), and it hands the ride on: arrived here, nothing was
+    // read or written since its commit.
+    crate::failpoints::charge_step_begins(&rider.state.failpoints, step.arrived()).await;
     Ok(Charging {
         rider,
         target,

@@ -43,10 +43,8 @@ impl Charging<'_> {
         }
         match charge.status {
             ChargeStatus::Succeeded => {
-                super::error::crash_point(
-                    self.rider.state,
-                    crate::failpoints::AFTER_GATEWAY_CHARGE,
-                );
+                let failpoints = &self.rider.state.failpoints;
+                crate::failpoints::gateway(failpoints, crate::failpoints::Gateway::Charged).await;
                 self.paid(step, &charge, found).await
             }
             ChargeStatus::Pending => {

@@ -79,7 +79,6 @@ impl Charging<'_> {
             return self.refused(step, &refusal.0).await.map(Some);
         }
         self.next_generation(step).await?;
-        super::error::crash_point(state, crate::failpoints::AFTER_NEW_GENERATION);
         Ok(None)
     }
 

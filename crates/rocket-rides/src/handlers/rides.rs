@@ -166,9 +166,10 @@ impl Waiting<'_> {
 fn answer(state: &AppState, outcome: Outcome) -> Result<Response, ApiError> {
     match outcome {
         Outcome::Answered(stored) => {
-            if crate::failpoints::hit(&state.failpoints, crate::failpoints::AFTER_FINISHED) {
+            let point = crate::failpoints::AFTER_FINISHED;
+            if crate::failpoints::before_acknowledging(&state.failpoints, point) {
                 // A simulated crash after the answer was stored, before it leaves.
-                tracing::warn!(point = crate::failpoints::AFTER_FINISHED, "crash point hit");
+                tracing::warn!(point, "crash point hit");
                 return Err(ApiError::Internal("crashed after finishing".into()));
             }
             Ok(stored_response(&stored))

@@ -129,7 +129,10 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
     for (id, name, args) in &jobs {
         match run_job(&mut tx, persistent, user_id, name, args).await? {
             Ok(()) => {
-                crash_point(state)?;
+                let point = crate::failpoints::AFTER_RECEIPT_EFFECT;
+                if crate::failpoints::before_acknowledging(&state.failpoints, point) {
+                    return Err(DrainError::Crashed(point));
+                }
                 drained.delivered += 1;
             }
             Err(why) => {
@@ -214,12 +217,4 @@ pub async fn failed_jobs(
 
 fn truncate(text: &str, max_chars: usize) -> String {
     text.chars().take(max_chars).collect()
-}
-
-fn crash_point(state: &AppState) -> Result<(), DrainError> {
-    let point = crate::failpoints::AFTER_RECEIPT_EFFECT;
-    if crate::failpoints::hit(&state.failpoints, point) {
-        return Err(DrainError::Crashed(point));
-    }
-    Ok(())
 }
