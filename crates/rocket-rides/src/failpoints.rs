@@ -2,7 +2,7 @@
 //! control. Both exist only in builds with the `failpoints` feature (tests, `chaos` (crates/proving-ground));
 //! a production build has neither, and nothing on the request surface can reach them.
 //!
-//! Two ways to make a point fire:
+//! Three ways to make a point fire:
 //! - a test **arms** it on the service's state: the next request that passes it stops right there
 //!   as if the process had died (no further phase, no lease release), and disarms it;
 //! - a test **arms a stand-still** at one of the points where a holder may be paused (a stopped
@@ -13,6 +13,18 @@
 //!   `ROCKET_RIDES_FAILPOINT_SEED`) for the processes it spawns: a request passing a point exits
 //!   the whole process with that probability, with the point's exit code ([`exit_code`]), so the
 //!   harness can tell which crash it caused.
+//!
+//! The points are passed at three seams, the only places outside this module where one is passed
+//! (each a function below), so that the booking reads as the pattern with one line per boundary:
+//!
+//! | seam | where it is called | its points, in the order a request passes them |
+//! |---|---|---|
+//! | `charge_step_begins` | `booking::charging`, once the charge step has its ride | crash `after_ride_created` (the step that created the ride just committed), stand-still `after_ride_loaded` |
+//! | `gateway` | `Charging::run` before a create call leaves; `Charging::settle` when a succeeded charge comes back | crash `after_new_generation` (the new generation's phase just committed), stand-still `after_call_recorded` (the call's record just committed), crash `after_gateway_charge` (the charge shown, not yet recorded) |
+//! | `before_acknowledging` | `handlers::rides` once the driver stored the answer; `worker::outbox` once a receipt is written | crash `after_finished` (before the answer leaves), crash `after_receipt_effect` (before the job is deleted) |
+//!
+//! The sabotage switches below are asked where their bug would sit (`state.failpoints.…()`), not
+//! at the seams.
 //!
 //! `ROCKET_RIDES_SABOTAGE` names bugs the harness must catch, comma-separated:
 //! - `fresh-gateway-key`: the service calls the gateway under a new key on every attempt instead
