@@ -1,5 +1,6 @@
 //! The store and what it hands out: the key, the lease and the claim's outcome, and the
-//! application's recovery points.
+//! application's recovery points; and what the files of statements share: reading a key's row,
+//! and telling a delete that a foreign key refused.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -363,4 +364,13 @@ pub(crate) fn stored_response(row: &PgRow, key_id: i64) -> Result<StoredResponse
             what: "stored response",
         }),
     }
+}
+
+/// PostgreSQL's `foreign_key_violation`: a key's row is deleted (expired, abandoned) while a row
+/// of another table still references it under a foreign key that forbids the delete.
+const FOREIGN_KEY_VIOLATION: &str = "23503";
+
+/// Whether `e` is a delete that the application's foreign keys refused.
+pub(super) fn is_referenced(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some(FOREIGN_KEY_VIOLATION))
 }
