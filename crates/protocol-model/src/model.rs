@@ -1,9 +1,10 @@
 //! The model: its scope, its actions, and the [`stateright::Model`] that ties the holders'
-//! steps ([`crate::steps`]) and the gateway ([`crate::gateway`]) together.
+//! steps ([`crate::steps`]) and the gateway ([`crate::gateway`]) together, and hands the checker
+//! the properties and examples ([`crate::Name`], [`crate::Example`]).
 
 use stateright::{Model, Property};
 
-use crate::properties;
+use crate::properties::{Example, Name};
 use crate::protections::{Protection, Protections};
 use crate::settings::{Settings, Tick, GATEWAY_KEY_MEMORY, GATEWAY_PROCESSING};
 use crate::state::{At, Gateway, GatewayKey, Ghost, Holder, State, Who};
@@ -305,7 +306,7 @@ impl Model for ProtocolModel {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        properties::all()
+        properties_and_examples()
     }
 
     fn within_boundary(&self, s: &State) -> bool {
@@ -466,4 +467,42 @@ impl ProtocolModel {
             _ => false,
         }
     }
+}
+
+macro_rules! always {
+    ($name:expr) => {
+        Property::always($name.as_str(), |m: &ProtocolModel, s: &State| {
+            $name.holds(m.liveness_bound(), s)
+        })
+    };
+}
+
+macro_rules! sometimes {
+    ($example:expr) => {
+        Property::sometimes($example.as_str(), |_: &ProtocolModel, s: &State| {
+            $example.reached(s)
+        })
+    };
+}
+
+/// Every property and example, as the checker takes them. Built here rather than in
+/// `properties.rs`, because a [`Property`] is typed by the model: so the properties and examples
+/// stay below the model, and only this list knows both.
+fn properties_and_examples() -> Vec<Property<ProtocolModel>> {
+    vec![
+        always!(Name::OneChargePerRequest),
+        always!(Name::No502ForAChargedRequest),
+        always!(Name::NoWriteUnderAStaleToken),
+        always!(Name::AStoredAnswerNeverChanges),
+        always!(Name::NoChargeWithoutItsRide),
+        always!(Name::EveryKeyFinishes),
+        sometimes!(Example::AListAdoptsTheCharge),
+        sometimes!(Example::ANewGenerationCharges),
+        sometimes!(Example::ARefusalIsStored),
+        sometimes!(Example::AStaleHolderIsFencedOut),
+        sometimes!(Example::TheCompleterFinishesAKey),
+        sometimes!(Example::AChargeLandsAfterItsCallerGaveUp),
+        sometimes!(Example::AnExpiredKeyIsBookedAnew),
+        sometimes!(Example::AFinishedKeyIsReaped),
+    ]
 }

@@ -1,9 +1,7 @@
 //! The properties, checked on every reachable state, and the examples the checker must reach
 //! (so that a model that never gets anywhere cannot pass).
 
-use stateright::Property;
-
-use crate::model::ProtocolModel;
+use crate::settings::Tick;
 use crate::state::{Outcome, State, REQUESTS};
 
 /// A property that must hold in every reachable state.
@@ -19,8 +17,9 @@ pub enum Name {
     AStoredAnswerNeverChanges,
     /// Every charge's request is still there to record it, or finished.
     NoChargeWithoutItsRide,
-    /// Every key reaches a final state within [`ProtocolModel::liveness_bound`] ticks of the
-    /// last fault, and no unfinished key is deleted (it could never finish).
+    /// Every key reaches a final state within
+    /// [`ProtocolModel::liveness_bound`](crate::ProtocolModel::liveness_bound) ticks of the last
+    /// fault, and no unfinished key is deleted (it could never finish).
     EveryKeyFinishes,
 }
 
@@ -47,7 +46,9 @@ impl Name {
         }
     }
 
-    fn holds(self, model: &ProtocolModel, s: &State) -> bool {
+    /// Whether the property holds in `s`, for a model whose keys must finish within
+    /// `liveness_bound` ticks of the last fault.
+    pub(crate) fn holds(self, liveness_bound: Tick, s: &State) -> bool {
         match self {
             Name::OneChargePerRequest => (0..REQUESTS as u8).all(|r| {
                 s.gateway
@@ -81,9 +82,7 @@ impl Name {
                     || s.ghost.stored[usize::from(c.key.request)].is_some()
             }),
             Name::EveryKeyFinishes => {
-                let overdue = s
-                    .calm_for
-                    .is_some_and(|calm| calm >= model.liveness_bound());
+                let overdue = s.calm_for.is_some_and(|calm| calm >= liveness_bound);
                 let unfinished = s.key.as_ref().is_some_and(|row| row.finished.is_none());
                 // A deleted unfinished key can never finish; an unfinished one past the bound
                 // has not.
@@ -142,7 +141,8 @@ impl Example {
         }
     }
 
-    fn reached(self, s: &State) -> bool {
+    /// Whether `s` reaches the example.
+    pub(crate) fn reached(self, s: &State) -> bool {
         match self {
             Example::AListAdoptsTheCharge => s
                 .ghost
@@ -160,40 +160,4 @@ impl Example {
             Example::AFinishedKeyIsReaped => s.key.is_none() && s.next_request > 0,
         }
     }
-}
-
-macro_rules! always {
-    ($name:expr) => {
-        Property::always($name.as_str(), |m: &ProtocolModel, s: &State| {
-            $name.holds(m, s)
-        })
-    };
-}
-
-macro_rules! sometimes {
-    ($example:expr) => {
-        Property::sometimes($example.as_str(), |_: &ProtocolModel, s: &State| {
-            $example.reached(s)
-        })
-    };
-}
-
-/// Every property and example, as the checker takes them.
-pub(crate) fn all() -> Vec<Property<ProtocolModel>> {
-    vec![
-        always!(Name::OneChargePerRequest),
-        always!(Name::No502ForAChargedRequest),
-        always!(Name::NoWriteUnderAStaleToken),
-        always!(Name::AStoredAnswerNeverChanges),
-        always!(Name::NoChargeWithoutItsRide),
-        always!(Name::EveryKeyFinishes),
-        sometimes!(Example::AListAdoptsTheCharge),
-        sometimes!(Example::ANewGenerationCharges),
-        sometimes!(Example::ARefusalIsStored),
-        sometimes!(Example::AStaleHolderIsFencedOut),
-        sometimes!(Example::TheCompleterFinishesAKey),
-        sometimes!(Example::AChargeLandsAfterItsCallerGaveUp),
-        sometimes!(Example::AnExpiredKeyIsBookedAnew),
-        sometimes!(Example::AFinishedKeyIsReaped),
-    ]
 }

@@ -56,7 +56,7 @@ pub fn routes(
     // The claim's order is read here, so that a bad `BENCH_CLAIM` stops the service at start.
     // `POST /rides` reads it through `Booking::claims_insert_first`.
     #[cfg(feature = "bench")]
-    crate::handlers::bench::claim_inserts_first();
+    crate::config::claim_inserts_first();
     #[cfg(feature = "bench")]
     let routes = routes.route(
         "/bench/rides",

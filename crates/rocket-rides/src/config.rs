@@ -1,4 +1,5 @@
-//! Settings: every time limit named, defaulted, validated, and checked against the others.
+//! Settings: every time limit named, defaulted, validated, and checked against the others; and,
+//! in a build with the `bench` feature, the benchmark's choice of claim (`BENCH_CLAIM`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -570,6 +571,21 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         .checked_mul(unit_millis)
         .map(Duration::from_millis)
         .ok_or_else(|| format!("{text:?} is too long"))
+}
+
+// Here, below both of its readers: the router checks it at start, the booking asks it at every
+// claim.
+#[cfg(feature = "bench")]
+/// Whether `POST /rides` claims its key insert-first (`BENCH_CLAIM=insert-first`) rather than
+/// read-first (`read-first`, or unset), read once per process, when the router is built; any
+/// other value stops the service there rather than be measured as something it is not.
+pub(crate) fn claim_inserts_first() -> bool {
+    static INSERT_FIRST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INSERT_FIRST.get_or_init(|| match std::env::var("BENCH_CLAIM").as_deref() {
+        Ok("insert-first") => true,
+        Ok("read-first") | Err(_) => false,
+        Ok(other) => panic!("BENCH_CLAIM must be insert-first or read-first, not {other:?}"),
+    })
 }
 
 #[cfg(test)]

@@ -170,6 +170,7 @@
 mod body;
 mod claimed;
 mod disposition;
+mod failed;
 mod headers;
 mod prefer;
 mod retire;

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 
 use super::claimed::ClaimedKey;
+use super::failed::{internal_response, store_failed};
 use super::prefer::wait_preference;
 use super::retire::LAYER_TAG;
 use super::settle::{release, settle, Held};
@@ -459,28 +460,5 @@ fn lease_lost_response(lease: &Lease<OneStep>) -> Response {
     )
     .with_detail(LEASE_LOST_DETAIL)
     .with_retry_after(std::time::Duration::from_secs(1))
-    .into_response()
-}
-
-/// A 500 that says nothing of its cause; the cause goes to the log.
-pub(super) fn internal_response(cause: &str) -> Response {
-    tracing::error!(error = %cause, "idempotent request failed");
-    Problem::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        types::HANDLER_FAILED,
-        "Internal error",
-    )
-    .with_detail("the request failed; retry with the same Idempotency-Key")
-    .into_response()
-}
-
-pub(super) fn store_failed(e: idempotency::Error) -> Response {
-    tracing::error!(error = %e, "idempotency store failed");
-    Problem::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        types::STORE_FAILED,
-        "Internal error",
-    )
-    .with_detail("the request could not be recorded; retry with the same Idempotency-Key")
     .into_response()
 }

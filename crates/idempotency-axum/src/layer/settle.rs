@@ -10,8 +10,8 @@ use idempotency::{Abandoned, Lease, OneStep, OwnedFinalPhase, Store, StoredRespo
 use tokio::task::JoinError;
 
 use super::body::Resumed;
+use super::failed::{internal_response, store_failed};
 use super::headers::kept_headers;
-use super::service::{internal_response, store_failed};
 use super::{Disposition, IdempotencyLayer};
 use crate::replay::stored_response;
 

@@ -1,4 +1,5 @@
-//! [`Store::builder`]: one way to make a store, with a default for everything but the pool.
+//! [`Store::builder`]: one way to make a store, with a default for everything but the pool; the
+//! rules its settings are checked by; and [`Store::with_retention`], the older setter of one.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,6 +62,40 @@ impl Store {
             observer: None,
             statements: Statements::Prepared,
         }
+    }
+
+    /// Sets how long a finished key answers for its request: between [`Store::MIN_RETENTION`]
+    /// (an hour) and [`Store::MAX_RETENTION`].
+    ///
+    /// **Expiry at read.** A claim ([`Store::claim`], [`Store::begin`],
+    /// [`Store::begin_optimistic`]) that finds the key finished more than `retention` ago
+    /// (`finished_at < now - retention`, by the store's clock) answers it as it would a key never
+    /// seen: in one transaction it deletes the old row and inserts a new one, with a new id, a new
+    /// [`Lease::request_uuid`](crate::Lease::request_uuid) (so foreign keys derived from it are new too) and token 1. The
+    /// payload does not matter: another payload after expiry is a new request, not a
+    /// [`Claim::Mismatch`](crate::Claim::Mismatch). So whether a late retry replays or runs again depends only on the
+    /// time since its key finished, never on when a reaper last ran. An unfinished key never
+    /// expires: it still owes a result.
+    ///
+    /// **The reaper agrees.** [`Store::reap_expired`] deletes, with this retention, exactly the
+    /// keys a claim would find expired (the same age test); it only keeps the table small.
+    ///
+    /// **Rows that reference keys.** The old row is deleted, so a foreign key to
+    /// `idempotency_keys` must allow that: `ON DELETE SET NULL` keeps the application's rows
+    /// (Rocket Rides' rides). A `RESTRICT` or `NO ACTION` foreign key with a referencing row makes
+    /// the claim fail with an [`Error::Database`] that says so, and changes nothing; the key keeps
+    /// failing until the reference is gone.
+    ///
+    /// **Concurrent claims** of an expired key: the delete is fenced on the row's id and
+    /// `finished_at` and re-checks the age; the first claimer's delete locks the old row until its
+    /// transaction ends, and the others then find it gone and read again: they see the new row
+    /// held ([`Claim::InFlight`](crate::Claim::InFlight)) or, once it finished, its replay. Exactly one of them runs.
+    ///
+    /// By default a store has no retention, so that upgrading the library changes no answer:
+    /// keys replay until something deletes them ([`Store::reap_finished`]), as before.
+    pub fn with_retention(mut self, retention: Duration) -> Result<Self, Error> {
+        self.retention = Some(check_retention(retention)?);
+        Ok(self)
     }
 }
 
@@ -156,7 +191,7 @@ pub(crate) fn check_heartbeat(ttl: Duration, period: Duration) -> Result<Duratio
 }
 
 /// A retention between [`Store::MIN_RETENTION`] and [`Store::MAX_RETENTION`] (why: there).
-pub(super) fn check_retention(retention: Duration) -> Result<Duration, Error> {
+fn check_retention(retention: Duration) -> Result<Duration, Error> {
     if !(Store::MIN_RETENTION..=Store::MAX_RETENTION).contains(&retention) {
         return Err(Error::InvalidConfig(format!(
             "the key retention must be between 1 h and 10 years (for good: set none), got \

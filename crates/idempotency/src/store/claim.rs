@@ -11,7 +11,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::model::{
-    lease_from_row, stored_response, Claim, Lease, NewRequest, RecoveryPoint, Store,
+    is_referenced, lease_from_row, stored_response, Claim, Lease, NewRequest, RecoveryPoint, Store,
 };
 use super::phase::finish_key;
 use super::unless_cancelled;
@@ -27,15 +27,6 @@ const CLAIM_ROUNDS: usize = 3;
 /// PostgreSQL's `lock_not_available`: a `lock_timeout` ran out. During an insert it means
 /// another transaction holds the same key, uncommitted: the request is in flight.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
-
-/// PostgreSQL's `foreign_key_violation`: a key's row is deleted (expired, abandoned) while a row
-/// of another table still references it under a foreign key that forbids the delete.
-const FOREIGN_KEY_VIOLATION: &str = "23503";
-
-/// Whether `e` is a delete that the application's foreign keys refused.
-pub(super) fn is_referenced(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some(FOREIGN_KEY_VIOLATION))
-}
 
 /// Why an expired key is refused when a row still references it: the claim's error says this,
 /// after the key, and changes nothing.

@@ -10,8 +10,7 @@ use sqlx::Row;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::claim::is_referenced;
-use super::model::{lease_from_row, Lease, RecoveryPoint, Store};
+use super::model::{is_referenced, lease_from_row, Lease, RecoveryPoint, Store};
 use crate::commit_watch::watched;
 use crate::{BindTime, Error, Owner, Timed};
 

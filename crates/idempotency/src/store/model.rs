@@ -1,5 +1,6 @@
 //! The store and what it hands out: the key, the lease and the claim's outcome, and the
-//! application's recovery points.
+//! application's recovery points; and what the files of statements share: reading a key's row,
+//! and telling a delete that a foreign key refused.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -245,40 +246,6 @@ impl Store {
             .build()
     }
 
-    /// Sets how long a finished key answers for its request: between [`Store::MIN_RETENTION`]
-    /// (an hour) and [`Store::MAX_RETENTION`].
-    ///
-    /// **Expiry at read.** A claim ([`Store::claim`], [`Store::begin`],
-    /// [`Store::begin_optimistic`]) that finds the key finished more than `retention` ago
-    /// (`finished_at < now - retention`, by the store's clock) answers it as it would a key never
-    /// seen: in one transaction it deletes the old row and inserts a new one, with a new id, a new
-    /// [`Lease::request_uuid`] (so foreign keys derived from it are new too) and token 1. The
-    /// payload does not matter: another payload after expiry is a new request, not a
-    /// [`Claim::Mismatch`]. So whether a late retry replays or runs again depends only on the
-    /// time since its key finished, never on when a reaper last ran. An unfinished key never
-    /// expires: it still owes a result.
-    ///
-    /// **The reaper agrees.** [`Store::reap_expired`] deletes, with this retention, exactly the
-    /// keys a claim would find expired (the same age test); it only keeps the table small.
-    ///
-    /// **Rows that reference keys.** The old row is deleted, so a foreign key to
-    /// `idempotency_keys` must allow that: `ON DELETE SET NULL` keeps the application's rows
-    /// (Rocket Rides' rides). A `RESTRICT` or `NO ACTION` foreign key with a referencing row makes
-    /// the claim fail with an [`Error::Database`] that says so, and changes nothing; the key keeps
-    /// failing until the reference is gone.
-    ///
-    /// **Concurrent claims** of an expired key: the delete is fenced on the row's id and
-    /// `finished_at` and re-checks the age; the first claimer's delete locks the old row until its
-    /// transaction ends, and the others then find it gone and read again: they see the new row
-    /// held ([`Claim::InFlight`]) or, once it finished, its replay. Exactly one of them runs.
-    ///
-    /// By default a store has no retention, so that upgrading the library changes no answer:
-    /// keys replay until something deletes them ([`Store::reap_finished`]), as before.
-    pub fn with_retention(mut self, retention: Duration) -> Result<Self, Error> {
-        self.retention = Some(super::builder::check_retention(retention)?);
-        Ok(self)
-    }
-
     /// How long a finished key answers for its request ([`Store::with_retention`]); `None`: for
     /// as long as its row exists.
     pub fn retention(&self) -> Option<Duration> {
@@ -397,4 +364,13 @@ pub(crate) fn stored_response(row: &PgRow, key_id: i64) -> Result<StoredResponse
             what: "stored response",
         }),
     }
+}
+
+/// PostgreSQL's `foreign_key_violation`: a key's row is deleted (expired, abandoned) while a row
+/// of another table still references it under a foreign key that forbids the delete.
+const FOREIGN_KEY_VIOLATION: &str = "23503";
+
+/// Whether `e` is a delete that the application's foreign keys refused.
+pub(super) fn is_referenced(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some(FOREIGN_KEY_VIOLATION))
 }

@@ -7,8 +7,7 @@ use sqlx::types::Json;
 use sqlx::{PgConnection, Postgres, Row, Transaction};
 use time::OffsetDateTime;
 
-use super::claim::is_referenced;
-use super::model::{Lease, RecoveryPoint, Store};
+use super::model::{is_referenced, Lease, RecoveryPoint, Store};
 use crate::lease::{writing, LEASE_LOG};
 use crate::observe::Observed;
 use crate::{BindTime, Error, StoredResponse, Timed};

@@ -1,5 +1,7 @@
 //! The load: clients that send one scenario's requests as fast as the service answers, for a
-//! fixed time, and record every latency in an HDR histogram.
+//! fixed time, and record every latency in an HDR histogram; and what the open loop
+//! ([`super::open_loop`]) shares with them: the ride, the target, the histogram's bounds, and
+//! the `type` of a problem+json answer.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -143,8 +145,7 @@ struct Answer {
 impl Answer {
     /// A refusal at the door (503 `over-capacity`): the request did nothing.
     fn shed(&self) -> bool {
-        self.status == 503
-            && super::open_loop::problem_type(&self.body).as_deref() == Some(OVER_CAPACITY)
+        self.status == 503 && problem_type(&self.body).as_deref() == Some(OVER_CAPACITY)
     }
 }
 
@@ -322,6 +323,12 @@ pub(crate) async fn book_replayed_key(target: &Target) -> anyhow::Result<()> {
 
 pub(crate) fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+}
+
+/// The `type` of a problem+json body, if it is one.
+pub(crate) fn problem_type(body: &[u8]) -> Option<String> {
+    let problem: serde_json::Value = serde_json::from_slice(body).ok()?;
+    Some(problem.get("type")?.as_str()?.to_owned())
 }
 
 /// Rounds of [`STORM_SIZE`] requests at once with one fresh key each, until the time is up.

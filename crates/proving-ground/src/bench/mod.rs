@@ -50,10 +50,10 @@ use clap::Args;
 
 pub use self::load::Scenario;
 use self::load::{Outcome, Target, REPLAYED_KEY, STORM_SIZE};
-use self::open_loop::{Offer, OpenLoop};
+use self::open_loop::Offer;
 use self::preload::PRELOADED_CHARGE_PREFIX;
 use self::probe::{Counters, Cpu};
-use self::report::{Check, CpuPerRequest, LargeTable, Latency, Measurement, Report};
+use self::report::{Check, CpuPerRequest, LargeTable, Latency, Measurement, OpenLoop, Report};
 use self::stack::{Databases, Programs, Stack};
 use crate::pgbouncer::PgBouncer;
 

@@ -7,7 +7,6 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::open_loop::OpenLoop;
 use super::preload::{AfterReap, KeyTable};
 
 /// Latency percentiles, in milliseconds.
@@ -161,6 +160,40 @@ pub struct Check {
     pub build: &'static str,
     pub passed: bool,
     pub detail: String,
+}
+
+/// The answers of one open-loop measurement, arrivals after the warm-up only.
+#[derive(Debug, Clone, Serialize)]
+pub struct OpenLoop {
+    pub build: &'static str,
+    /// The multiple of the capacity offered, and the capacity it multiplies (requests per
+    /// second of `create` at the run's highest concurrency, or `--open-rate`).
+    pub load: f64,
+    pub capacity_requests_per_s: f64,
+    pub offered_requests_per_s: f64,
+    /// Arrivals in the measured time, counted as they arrive: each one is counted below exactly
+    /// once (created, shed, timed out, other, or dropped by the client).
+    pub arrivals: u64,
+    pub created: u64,
+    pub created_per_s: f64,
+    /// 503 answers, and their share of the arrivals.
+    pub shed: u64,
+    pub shed_share: f64,
+    /// 503 answers without a `Retry-After` header.
+    pub shed_without_retry_after: u64,
+    /// Requests the client gave up on after `timeout_s`.
+    pub timeouts: u64,
+    pub timeout_s: f64,
+    /// Arrivals not sent because `max_outstanding` requests were already waiting.
+    pub client_dropped: u64,
+    pub max_outstanding: usize,
+    /// Any other answer by status (`"transport"`: no answer at all).
+    pub other: BTreeMap<String, u64>,
+    /// Of the 201s and of the 503s, from each request's intended start.
+    pub created_latency_ms: Latency,
+    pub shed_latency_ms: Option<Latency>,
+    /// The 201s' p99 over the p99 at the build's lowest load (the goal: at most 3 at 2×).
+    pub created_p99_vs_lowest_load: Option<f64>,
 }
 
 /// The whole run.

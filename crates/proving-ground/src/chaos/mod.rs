@@ -92,7 +92,7 @@ pub async fn run(args: ChaosArgs) -> anyhow::Result<Report> {
 
     let (stack, cast, teardown) = Stack::start(args, program, &run_name, &dir, rng).await?;
     let spared = cast.straddlers.iter().map(|(user, _)| user.id).collect();
-    let fault_tasks = faults::start(&stack, &cast.users, spared).await?;
+    let fault_tasks = faults::tasks::start(&stack, &cast.users, spared).await?;
     let mut sent = scenario::send(&stack, cast, seed).await?;
     let calm = scenario::calm(stack, fault_tasks, &mut sent).await?;
     scenario::audit_and_report(calm, sent, seed, started_at, &dir, teardown).await

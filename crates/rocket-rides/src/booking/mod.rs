@@ -106,7 +106,7 @@ impl Workflow for Booking {
     /// `BENCH_CLAIM=insert-first`, for docs/performance.md's comparison of the two.
     fn claims_insert_first(&self) -> bool {
         #[cfg(feature = "bench")]
-        return crate::handlers::bench::claim_inserts_first();
+        return crate::config::claim_inserts_first();
         #[cfg(not(feature = "bench"))]
         false
     }

@@ -19,18 +19,6 @@ use crate::ride::{BodyError, RideRequest};
 use crate::state::AppState;
 use crate::stripe::NewCharge;
 
-/// Whether `POST /rides` claims its key insert-first (`BENCH_CLAIM=insert-first`) rather than
-/// read-first (`read-first`, or unset), read once per process, when the router is built; any
-/// other value stops the service there rather than be measured as something it is not.
-pub(crate) fn claim_inserts_first() -> bool {
-    static INSERT_FIRST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *INSERT_FIRST.get_or_init(|| match std::env::var("BENCH_CLAIM").as_deref() {
-        Ok("insert-first") => true,
-        Ok("read-first") | Err(_) => false,
-        Ok(other) => panic!("BENCH_CLAIM must be insert-first or read-first, not {other:?}"),
-    })
-}
-
 /// `POST /bench/rides`.
 pub async fn create(
     State(state): State<AppState>,

@@ -11,6 +11,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::task::JoinSet;
 
+use super::CANCEL_SYNC_WAIT;
 use crate::chaos::cluster::Replication;
 use crate::chaos::options::{FaultFamily, Sabotage};
 use crate::chaos::recorder::Recorder;
@@ -22,8 +23,6 @@ const PG_DOWN: Duration = Duration::from_secs(1);
 /// How long `--failover` stalls replication before the primary dies (the negative control: at
 /// least).
 pub(super) const REPLICATION_STALL: Duration = Duration::from_secs(2);
-/// The fault kind of a wait for the synchronous standby cancelled (`pg_cancel_backend`).
-pub(super) const CANCEL_SYNC_WAIT: &str = "pg_cancel_sync_wait";
 /// How long before the primary dies the waits for its stalled standby are cancelled: shorter
 /// than the `Retry-After` (1 s) of the 503 the service answers them with, so that no retry
 /// replays, before the primary is gone, a key that only the primary has.

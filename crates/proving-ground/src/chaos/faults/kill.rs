@@ -11,12 +11,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::task::JoinSet;
 
+use super::LEASE_STOLEN;
 use crate::chaos::options::FaultFamily;
 use crate::chaos::services::{LEASE_HEARTBEAT, LEASE_TTL};
 use crate::chaos::stack::Stack;
 
-/// The fault kind of a lease taken over under its holder.
-pub(crate) const LEASE_STOLEN: &str = "lease_stolen";
 /// How long a paused API process stays stopped: past its lease (8 s) and the completer's grace
 /// (9 s) after its keys' last attempt, so that the completer takes them over meanwhile.
 const PAUSE: Duration = Duration::from_secs(14);

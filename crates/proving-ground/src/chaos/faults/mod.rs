@@ -1,6 +1,8 @@
 //! The faults: one table ([`FAULTS`]) names every fault kind the report counts, its family, how
 //! often it strikes and how it is injected and counted; the families' own tasks live in a file
-//! each.
+//! each, started by [`tasks`]. The table and the kinds' names are here, with nothing of the
+//! running stack, because the stack reads them as it starts (the gateway's and the proxies'
+//! settings, the crash points); the tasks, which run on that stack, are in this folder's files.
 //!
 //! | family | injected by | file |
 //! |---|---|---|
@@ -12,30 +14,22 @@
 //! | database | backends terminated, commits cut, PostgreSQL crashed or failed over | [`database`] |
 //! | (`--ha patroni`) | the leader's postmaster or agent killed, a switchover | [`patroni`] |
 //!
-//! Faults drawn by the gateway and the proxies are counted by [`sample`], which reads their
-//! counters every second; the families' tasks, the supervised processes and the scripted
-//! requests count their own.
+//! Faults drawn by the gateway and the proxies are counted by the sampler ([`tasks`]), which
+//! reads their counters every second; the families' tasks, the supervised processes and the
+//! scripted requests count their own.
 
 mod database;
 mod gateway;
 mod kill;
 mod patroni;
-
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::Duration;
+pub(crate) mod tasks;
 
 use fakestripe::FaultCounters;
-use tokio::task::JoinSet;
 
-use super::clients::ClientUser;
 use super::options::{ChaosArgs, FaultFamily};
 use super::pgproxy::DB_CUT_AFTER_COMMIT;
 use super::proxy::{ProxyCounters, ProxyFaults};
-use super::stack::Stack;
 use super::{processes, straddle};
-
-pub(crate) use self::kill::LEASE_STOLEN;
 
 /// One fault kind of the report.
 pub(crate) struct FaultKind {
@@ -243,14 +237,25 @@ pub(crate) const FAULTS: &[FaultKind] = &[
     },
     FaultKind {
         required: Required::WithSynchronousFailover,
-        ..task(database::CANCEL_SYNC_WAIT, FaultFamily::Database)
+        ..task(CANCEL_SYNC_WAIT, FaultFamily::Database)
     },
     // Patroni (faults/patroni.rs), with --ha patroni.
-    patroni(patroni::KILL_LEADER),
-    patroni(patroni::KILL_AGENT),
-    patroni(patroni::SWITCHOVER),
+    patroni(KILL_LEADER),
+    patroni(KILL_AGENT),
+    patroni(SWITCHOVER),
 ];
 
+/// The fault kind of a lease taken over under its holder ([`kill`]).
+pub(crate) const LEASE_STOLEN: &str = "lease_stolen";
+/// The fault kind of a wait for the synchronous standby cancelled (`pg_cancel_backend`,
+/// [`database`]).
+const CANCEL_SYNC_WAIT: &str = "pg_cancel_sync_wait";
+/// SIGKILL of the Patroni leader's postmaster ([`patroni`](mod@patroni)).
+const KILL_LEADER: &str = "patroni_kill_leader";
+/// SIGKILL of the Patroni leader's agent ([`patroni`](mod@patroni)).
+const KILL_AGENT: &str = "patroni_kill_agent";
+/// A planned switchover to the Patroni standby ([`patroni`](mod@patroni)).
+const SWITCHOVER: &str = "patroni_switchover";
 /// The fault kind of an intermediary in front of the gateway answering on its own (HTML or an
 /// empty body, 4xx or 5xx), before forwarding or after the charge was made.
 const INTERMEDIARY_ANSWER: &str = "gateway_intermediary_answer";
@@ -391,74 +396,4 @@ pub(crate) fn crash_spec() -> String {
         })
         .collect::<Vec<_>>()
         .join(",")
-}
-
-/// Starts every family's tasks, and the sampler of the gateway's and proxies' counters. The
-/// families draw their seeds from the run's generator in this order: the gateway's, the kills',
-/// the database's, then (under `--ha patroni` only, so that other runs keep their schedule)
-/// Patroni's.
-pub(crate) async fn start(
-    stack: &Arc<Stack>,
-    users: &[ClientUser],
-    spared: Vec<i64>,
-) -> anyhow::Result<JoinSet<()>> {
-    let mut tasks = JoinSet::new();
-    gateway::start(stack, users, &mut tasks).await?;
-    kill::start(stack, spared, &mut tasks)?;
-    database::start(stack, &mut tasks);
-    patroni::start(stack, &mut tasks).await;
-    tasks.spawn(sample(stack.clone()));
-    Ok(tasks)
-}
-
-/// What the gateway's and proxies' counters and the services' database proxy had counted.
-struct Counters {
-    cuts: u64,
-    gateway: FaultCounters,
-    network: Vec<ProxyCounters>,
-}
-
-impl Counters {
-    /// How many faults of `kind` these counters hold, if they count it.
-    fn of(&self, kind: &FaultKind) -> Option<u64> {
-        match kind.injection {
-            Injection::Gateway { count, .. } => Some(count(&self.gateway)),
-            Injection::Network { count, .. } => Some(self.network.iter().map(count).sum()),
-            Injection::CommitCut { .. } => Some(self.cuts),
-            Injection::Failpoint { .. } | Injection::Task => None,
-        }
-    }
-}
-
-/// Every second, records what the gateway and the proxies injected since the last look, once
-/// more after the faults stop.
-async fn sample(stack: Arc<Stack>) {
-    // The proxies' and the cuts' counts from zero, the gateway's from now.
-    let mut last = Counters {
-        cuts: 0,
-        gateway: stack.gateway.counters(),
-        network: Vec::new(),
-    };
-    loop {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let now = Counters {
-            cuts: stack.postgres.lock().await.cuts(),
-            gateway: stack.gateway.counters(),
-            network: stack.proxies.iter().map(|p| p.counters()).collect(),
-        };
-        for kind in FAULTS {
-            let (Some(counted), Some(before)) = (now.of(kind), last.of(kind)) else {
-                continue;
-            };
-            if kind.ambient {
-                stack.recorder.ambient(kind.name, counted - before);
-            } else {
-                stack.recorder.fault(kind.name, counted - before);
-            }
-        }
-        last = now;
-        if stack.stop.load(Ordering::Relaxed) {
-            return;
-        }
-    }
 }

@@ -24,16 +24,10 @@ use sqlx::{ConnectOptions, Connection};
 use tokio::task::JoinSet;
 
 use super::database::{acknowledged_meanwhile, OUTAGE_GRACE_SECS, REPLICATION_STALL};
+use super::{KILL_AGENT, KILL_LEADER, SWITCHOVER};
 use crate::chaos::patroni::Patroni;
 use crate::chaos::processes::signal;
 use crate::chaos::stack::Stack;
-
-/// SIGKILL of the leader's postmaster.
-pub(crate) const KILL_LEADER: &str = "patroni_kill_leader";
-/// SIGKILL of the leader's Patroni agent.
-pub(crate) const KILL_AGENT: &str = "patroni_kill_agent";
-/// A planned switchover to the standby.
-pub(crate) const SWITCHOVER: &str = "patroni_switchover";
 
 /// The first fault, as a share of the requests done, and the share between two faults (plus a
 /// seeded jitter of up to [`JITTER`]): five in a run, at about 10, 30, 50, 70 and 90 %. Three
