@@ -2,10 +2,20 @@
 
 use std::time::Duration;
 
+use idempotency::store::StatementsOn;
 use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::PgConnection;
 
 pub mod distribute;
 mod online;
+
+/// A connection that sends every query in the key store's statement mode
+/// ([`idempotency::Store::statements_on`]), named `pg` where it is used: the service's
+/// statements are sent through one, so that behind a transaction pooler
+/// (`--database-pooler transaction`) each is unnamed without saying so itself. It wraps the
+/// connection of a phase, of [`idempotency::Store::autocommit`] or of a transaction, never the
+/// pool: a statement alone on the pool is outside a transaction.
+pub type Pg<'c> = StatementsOn<&'c mut PgConnection>;
 
 /// How long to wait for a pooled connection before failing the request (a 500, lease released)
 /// rather than queueing without bound when the database is saturated.
