@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idempotency::store::StatementsOn;
+use idempotency::store::{Statements, StatementsOn};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::PgConnection;
 
@@ -117,12 +117,13 @@ pub async fn fill_key_owners(pool: &PgPool) -> Result<(), sqlx::Error> {
     // One connection, each statement its own transaction: the migrations' URL is a direct one
     // (never a transaction pooler), where an autocommit statement is safe.
     let mut conn = pool.acquire().await?;
+    // Unnamed: the SQL is built here for each table, and run a few times at most.
+    let mut pg = Statements::Unnamed.on(&mut *conn);
     for (table, id) in KEY_OWNER_FILLED {
         let (from, to): (Option<i64>, Option<i64>) = sqlx::query_as(&format!(
             "SELECT min({id}), max({id}) FROM {table} WHERE key_owner IS NULL"
         ))
-        .persistent(false)
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut pg)
         .await?;
         let (Some(mut from), Some(to)) = (from, to) else {
             continue;
@@ -135,8 +136,7 @@ pub async fn fill_key_owners(pool: &PgPool) -> Result<(), sqlx::Error> {
             ))
             .bind(from)
             .bind(next)
-            .persistent(false)
-            .execute(&mut *conn)
+            .execute(&mut pg)
             .await?;
             from = next;
         }
