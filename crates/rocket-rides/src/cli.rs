@@ -372,8 +372,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let store = db.store(connect(&db, 2).await?)?;
             let mut conn = store.autocommit().await?;
-            let jobs =
-                crate::worker::outbox::failed_jobs(conn.conn(), store.persistent(), limit).await?;
+            let mut pg = store.statements_on(conn.conn());
+            let jobs = crate::worker::outbox::failed_jobs(&mut pg, limit).await?;
             conn.done().await?;
             for job in jobs {
                 println!("{}", serde_json::to_string(&job)?);

@@ -2,10 +2,20 @@
 
 use std::time::Duration;
 
+use idempotency::store::{Statements, StatementsOn};
 use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::PgConnection;
 
 pub mod distribute;
 mod online;
+
+/// A connection that sends every query in the key store's statement mode
+/// ([`idempotency::Store::statements_on`]), named `pg` where it is used: the service's
+/// statements are sent through one, so that behind a transaction pooler
+/// (`--database-pooler transaction`) each is unnamed without saying so itself. It wraps the
+/// connection of a phase, of [`idempotency::Store::autocommit`] or of a transaction, never the
+/// pool: a statement alone on the pool is outside a transaction.
+pub type Pg<'c> = StatementsOn<&'c mut PgConnection>;
 
 /// How long to wait for a pooled connection before failing the request (a 500, lease released)
 /// rather than queueing without bound when the database is saturated.
@@ -107,12 +117,13 @@ pub async fn fill_key_owners(pool: &PgPool) -> Result<(), sqlx::Error> {
     // One connection, each statement its own transaction: the migrations' URL is a direct one
     // (never a transaction pooler), where an autocommit statement is safe.
     let mut conn = pool.acquire().await?;
+    // Unnamed: the SQL is built here for each table, and run a few times at most.
+    let mut pg = Statements::Unnamed.on(&mut *conn);
     for (table, id) in KEY_OWNER_FILLED {
         let (from, to): (Option<i64>, Option<i64>) = sqlx::query_as(&format!(
             "SELECT min({id}), max({id}) FROM {table} WHERE key_owner IS NULL"
         ))
-        .persistent(false)
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut pg)
         .await?;
         let (Some(mut from), Some(to)) = (from, to) else {
             continue;
@@ -125,8 +136,7 @@ pub async fn fill_key_owners(pool: &PgPool) -> Result<(), sqlx::Error> {
             ))
             .bind(from)
             .bind(next)
-            .persistent(false)
-            .execute(&mut *conn)
+            .execute(&mut pg)
             .await?;
             from = next;
         }

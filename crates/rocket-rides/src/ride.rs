@@ -3,8 +3,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::db::Pg;
 use crate::json::Members;
-use sqlx::PgExecutor;
 use time::OffsetDateTime;
 
 /// The route template of `POST /rides`, part of every key's scope and fingerprint.
@@ -211,11 +211,9 @@ pub(crate) const RIDE_COLUMNS: &str =
                             target_lat, target_lon, created_at";
 
 impl RideView {
-    /// The ride a key created. `persistent`: whether the statement is a named prepared one
-    /// ([`idempotency::Store::persistent`]).
+    /// The ride a key created.
     pub async fn by_key(
-        db: impl PgExecutor<'_>,
-        persistent: bool,
+        pg: &mut Pg<'_>,
         user_id: i64,
         key_id: i64,
     ) -> Result<Option<Self>, sqlx::Error> {
@@ -224,15 +222,13 @@ impl RideView {
         ))
         .bind(user_id)
         .bind(key_id)
-        .persistent(persistent)
-        .fetch_optional(db)
+        .fetch_optional(pg)
         .await
     }
 
-    /// A ride of its owner; `persistent` as for [`RideView::by_key`].
+    /// A ride of its owner.
     pub async fn by_id(
-        db: impl PgExecutor<'_>,
-        persistent: bool,
+        pg: &mut Pg<'_>,
         user_id: i64,
         ride_id: i64,
     ) -> Result<Option<Self>, sqlx::Error> {
@@ -241,8 +237,7 @@ impl RideView {
         ))
         .bind(user_id)
         .bind(ride_id)
-        .persistent(persistent)
-        .fetch_optional(db)
+        .fetch_optional(pg)
         .await
     }
 }

@@ -91,9 +91,9 @@ impl AppState {
 
     /// Makes the key store, and every statement of the service with it, send its statements as
     /// `statements` says (`--database-pooler`, [`crate::config::DatabasePooler`]). The
-    /// service's own statements follow the store: they are built with
-    /// `.persistent(state.store.persistent())`, and those that stand alone are sent through
-    /// [`Store::autocommit`], never on [`AppState::pool`] alone.
+    /// service's own statements follow the store: each is sent through a [`crate::db::Pg`],
+    /// the connection wrapped once by [`Store::statements_on`], and those that stand alone
+    /// are sent on [`Store::autocommit`]'s connection, never on [`AppState::pool`] alone.
     pub fn with_statements(mut self, statements: idempotency::Statements) -> Self {
         self.store = self.store.with_statements(statements);
         self

@@ -85,6 +85,7 @@ pub async fn create_user_on(
     // A complete user with this email refuses; an incomplete one (an earlier run that failed)
     // is taken up again. `ON CONFLICT … WHERE` returns no row for a complete user.
     let mut db = store.autocommit().await?;
+    let mut pg = store.statements_on(db.conn());
     let row: Option<(i64, idempotency::Uuid)> = sqlx::query_as(
         "INSERT INTO users (email) VALUES ($1)
          ON CONFLICT (email) DO UPDATE SET email = excluded.email
@@ -92,8 +93,7 @@ pub async fn create_user_on(
          RETURNING id, customer_key",
     )
     .bind(email)
-    .persistent(store.persistent())
-    .fetch_optional(db.conn())
+    .fetch_optional(&mut pg)
     .await?;
     db.done().await?;
     let Some((id, customer_key)) = row else {
@@ -103,6 +103,7 @@ pub async fn create_user_on(
     let customer = stripe.create_customer(email, source, &gateway_key).await?;
     let api_key = generate_api_key();
     let mut db = store.autocommit().await?;
+    let mut pg = store.statements_on(db.conn());
     let completed = sqlx::query(
         "UPDATE users SET stripe_customer_id = $2, api_key_hash = $3
          WHERE id = $1 AND stripe_customer_id IS NULL",
@@ -110,8 +111,7 @@ pub async fn create_user_on(
     .bind(id)
     .bind(&customer.id)
     .bind(hash_api_key(&api_key).as_slice())
-    .persistent(store.persistent())
-    .execute(db.conn())
+    .execute(&mut pg)
     .await?;
     db.done().await?;
     if completed.rows_affected() == 0 {
@@ -163,6 +163,7 @@ pub async fn rotate_api_key(store: &Store, email: &str) -> Result<RotatedKey, Ro
     // A transaction of its own, committed under the commit watch: a revocation that a failover
     // may lose must not be reported done, or the old key would come back with it.
     let mut tx = store.pool().begin().await?;
+    let mut pg = store.statements_on(&mut *tx);
     let id: Option<i64> = sqlx::query_scalar(
         "UPDATE users SET api_key_hash = $2
          WHERE email = $1 AND stripe_customer_id IS NOT NULL
@@ -170,8 +171,7 @@ pub async fn rotate_api_key(store: &Store, email: &str) -> Result<RotatedKey, Ro
     )
     .bind(email)
     .bind(hash_api_key(&api_key).as_slice())
-    .persistent(store.persistent())
-    .fetch_optional(&mut *tx)
+    .fetch_optional(&mut pg)
     .await?;
     let Some(id) = id else {
         return Err(RotateKeyError::NoSuchUser(email.to_owned()));

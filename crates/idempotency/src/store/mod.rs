@@ -9,6 +9,7 @@
 //! | `retire.rs` | retirement: a final answer for abandoned keys that no completer can finish |
 //! | `wait.rs` | a key's state read without a claim, and the wait for its holder's answer |
 //! | `statements.rs` | prepared statements, or unnamed ones in explicit transactions behind a transaction pooler |
+//! | `executor.rs` | the same mode for the application's own queries: an executor that wraps each query it sends |
 //!
 //! # Statements and why they are shaped so
 //!
@@ -72,6 +73,7 @@
 
 mod builder;
 mod claim;
+mod executor;
 mod maintenance;
 mod model;
 mod phase;
@@ -87,6 +89,7 @@ pub(crate) use crate::commit_watch::{commit, unless_cancelled};
 pub(crate) use builder::check_heartbeat;
 pub use builder::{StoreBuilder, DEFAULT_RETENTION};
 pub use claim::{Begun, FirstPhase};
+pub use executor::StatementsOn;
 pub use maintenance::{KeyFilter, KeyRecord};
 pub use model::{Claim, Lease, NewRequest, OneStep, RecoveryPoint, Store, DEFAULT_LEASE_TTL};
 pub use phase::{Abandoned, FinalPhase, OwnedFinalPhase, Phase};

@@ -17,6 +17,8 @@
 //! [`Statements::Unnamed`] avoids both: every statement of the store is unnamed
 //! (`persistent(false)`), and the store's autocommit statements get a `BEGIN` and a `COMMIT`
 //! around them, so that the server connection is the client's from the Parse to the Execute.
+//! The application's own queries get the same mode from the connection they are sent on
+//! ([`Store::statements_on`], `executor.rs`).
 
 use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, Postgres, Transaction};
@@ -99,9 +101,10 @@ impl Store {
     ///
     /// **The application's statements** are its own: those it sends through
     /// [`crate::Phase::conn`], [`crate::FinalPhase::conn`] and the others are inside the
-    /// phase's transaction already, but must be unnamed too: build them with
-    /// `.persistent(store.persistent())`, and send any it would send on the pool alone through
-    /// [`Store::autocommit`].
+    /// phase's transaction already, but must be unnamed too: send them through
+    /// [`Store::statements_on`] that connection (one wrapper, and no query says
+    /// `.persistent(…)`), and send any it would send on the pool alone through
+    /// [`Store::autocommit`], wrapped the same way.
     ///
     /// **Migrations** ([`crate::migrate()`], [`crate::migrate_with`]) need a direct connection
     /// (sqlx's advisory lock is held across transactions, and its migrator prepares named
@@ -116,9 +119,9 @@ impl Store {
         self.statements
     }
 
-    /// Whether the store's statements are named prepared statements: pass it to
-    /// `.persistent(…)` of the application's own queries in a phase, so that they are unnamed
-    /// when the store's are.
+    /// Whether the store's statements are named prepared statements: what a query sent
+    /// through [`Store::statements_on`] gets as its `.persistent(…)`, so that the
+    /// application's queries are unnamed when the store's are.
     pub fn persistent(&self) -> bool {
         self.statements == Statements::Prepared
     }
@@ -126,8 +129,8 @@ impl Store {
     /// A connection of the store's pool for statements that stand alone, in a transaction of
     /// their own when the statements are [`Statements::Unnamed`]: how the store sends its own,
     /// and how an application sends those it would send on the pool, so that they are safe
-    /// behind a transaction pooler too. Build them with `.persistent(store.persistent())`, send
-    /// them on [`Autocommit::conn`], then call [`Autocommit::done`]. With the default
+    /// behind a transaction pooler too. Send them through
+    /// `store.statements_on(autocommit.conn())`, then call [`Autocommit::done`]. With the default
     /// statements this costs no round trip: the pool would acquire the connection for the
     /// statement anyway.
     pub async fn autocommit(&self) -> Result<Autocommit, sqlx::Error> {

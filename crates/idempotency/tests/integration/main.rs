@@ -3,6 +3,7 @@
 
 mod adversary;
 mod attack_session;
+mod executor;
 mod expiry;
 mod handover;
 mod lease;

@@ -22,7 +22,7 @@ const REQUESTS_PER_TASK: usize = 40;
 
 /// Runs `TASKS` tasks, each sending `REQUESTS_PER_TASK` requests of its own (claim, a phase
 /// that writes an effect through the phase's connection, the final phase, a read of the effect
-/// through [`Store::autocommit`]) and then a replay of each; returns how many of them failed, and the first failure.
+/// through [`Store::autocommit`], both wrapped by [`Store::statements_on`]) and then a replay of each; returns how many of them failed, and the first failure.
 async fn load(store: &Store) -> (usize, Option<String>) {
     let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
     let mut tasks = Vec::new();
@@ -76,8 +76,7 @@ async fn one_request(store: &Store, task: usize, n: usize) -> Result<(), String>
     sqlx::query("INSERT INTO effects (owner, n) VALUES ($1, $2)")
         .bind(task as i64 + 1)
         .bind(n as i64)
-        .persistent(store.persistent())
-        .execute(phase.conn())
+        .execute(store.statements_on(phase.conn()))
         .await
         .map_err(|e| e.to_string())?;
     let response = StoredResponse {
@@ -92,8 +91,7 @@ async fn one_request(store: &Store, task: usize, n: usize) -> Result<(), String>
         sqlx::query_scalar("SELECT count(*) FROM effects WHERE owner = $1 AND n = $2")
             .bind(task as i64 + 1)
             .bind(n as i64)
-            .persistent(store.persistent())
-            .fetch_one(db.conn())
+            .fetch_one(store.statements_on(db.conn()))
             .await
             .map_err(|e| e.to_string())?;
     db.done().await.map_err(|e| e.to_string())?;

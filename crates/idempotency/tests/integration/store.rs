@@ -296,8 +296,7 @@ async fn a_stale_holder_is_fenced_out_and_its_phase_writes_nothing(pool: PgPool)
     let mut phase = store.phase(&mut current, Point::Halfway).await.unwrap();
     sqlx::query("INSERT INTO effects VALUES ($1, 'current')")
         .bind(phase.key_id())
-        .persistent(store.persistent())
-        .execute(phase.conn())
+        .execute(store.statements_on(phase.conn()))
         .await
         .unwrap();
     phase.commit().await.unwrap();
@@ -318,8 +317,7 @@ async fn a_phase_that_is_not_committed_leaves_neither_rows_nor_progress(pool: Pg
         let mut phase = store.phase(&mut lease, Point::Halfway).await.unwrap();
         sqlx::query("INSERT INTO effects VALUES ($1, 'dropped')")
             .bind(phase.key_id())
-            .persistent(store.persistent())
-            .execute(phase.conn())
+            .execute(store.statements_on(phase.conn()))
             .await
             .unwrap();
         // Dropped here, as when the process dies mid-phase.
@@ -697,8 +695,7 @@ async fn begin_inserts_a_new_key_at_the_first_point_with_the_phase_rows(pool: Pg
     );
     sqlx::query("INSERT INTO effects VALUES ($1, 'first')")
         .bind(first.lease().key_id())
-        .persistent(store.persistent())
-        .execute(first.conn())
+        .execute(store.statements_on(first.conn()))
         .await
         .unwrap();
     // Nothing is visible before the commit: neither the key nor the phase's rows.
@@ -763,8 +760,7 @@ async fn a_first_phase_dropped_uncommitted_leaves_no_key(pool: PgPool) {
         );
         sqlx::query("INSERT INTO effects VALUES ($1, 'dropped')")
             .bind(first.lease().key_id())
-            .persistent(store.persistent())
-            .execute(first.conn())
+            .execute(store.statements_on(first.conn()))
             .await
             .unwrap();
         // Dropped here, as when the process dies mid-phase.
@@ -832,8 +828,7 @@ async fn concurrent_begins_of_one_new_key_insert_it_once(pool: PgPool) {
                 Begun::New(mut first) => {
                     sqlx::query("INSERT INTO effects VALUES ($1, 'once')")
                         .bind(first.lease().key_id())
-                        .persistent(store.persistent())
-                        .execute(first.conn())
+                        .execute(store.statements_on(first.conn()))
                         .await
                         .unwrap();
                     // Held open until another begin waits on the insert.
@@ -871,8 +866,7 @@ async fn begin_optimistic_runs_a_request_in_one_transaction(pool: PgPool) {
     );
     sqlx::query("INSERT INTO effects VALUES ($1, 'one transaction')")
         .bind(first.lease().key_id())
-        .persistent(store.persistent())
-        .execute(first.conn())
+        .execute(store.statements_on(first.conn()))
         .await
         .unwrap();
     first.finish(&response("done")).await.unwrap();

@@ -64,13 +64,13 @@ impl FromRequestParts<AppState> for AuthUser {
 /// key yet).
 async fn look_up(state: &AppState, hash: &[u8; 32]) -> Result<Option<AuthUser>, sqlx::Error> {
     let mut db = state.store.autocommit().await?;
+    let mut pg = state.store.statements_on(db.conn());
     let user: Option<(i64, String)> = sqlx::query_as(
         "SELECT id, stripe_customer_id FROM users
          WHERE api_key_hash = $1 AND stripe_customer_id IS NOT NULL",
     )
     .bind(hash.as_slice())
-    .persistent(state.store.persistent())
-    .fetch_optional(db.conn())
+    .fetch_optional(&mut pg)
     .await?;
     db.done().await?;
     Ok(user.map(|(id, customer)| AuthUser { id, customer }))

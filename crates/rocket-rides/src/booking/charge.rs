@@ -23,6 +23,7 @@ impl ChargeTarget {
         let state = rider.state;
         let window = state.gateway_key_window.as_millis().min(i64::MAX as u128) as i64;
         let mut conn = state.store.autocommit().await.map_err(db("load ride"))?;
+        let mut pg = state.store.statements_on(conn.conn());
         let timed = state.store.timed(
             r#"
             SELECT r.id AS ride_id, r.amount_cents, r.charge_id,
@@ -47,8 +48,7 @@ impl ChargeTarget {
             .bind(window)
             .bind(fresh)
             .bind_now(&timed)
-            .persistent(state.store.persistent())
-            .fetch_optional(conn.conn())
+            .fetch_optional(&mut pg)
             .await
             .map_err(db("load ride"))?
             .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", rider.key_id)))?;
@@ -241,6 +241,7 @@ impl Charging<'_> {
         let lease = step.lease().await?;
         let point = lease.recovery_point();
         let mut phase = state.store.phase(lease, point).await?;
+        let mut pg = state.store.statements_on(phase.conn());
         // Past the window, no call leaves: the last call's time stays what it was, unless none
         // was recorded (a ride of an earlier version). The time is bound, not `now()` inside
         // the CASE (Citus refuses a non-immutable function there): the database's clock is read
@@ -249,8 +250,7 @@ impl Charging<'_> {
         let now: OffsetDateTime = match state.store.now() {
             Some(now) => now,
             None => sqlx::query_scalar("SELECT now()")
-                .persistent(state.store.persistent())
-                .fetch_one(phase.conn())
+                .fetch_one(&mut pg)
                 .await
                 .map_err(db("read the database's clock"))?,
         };
@@ -274,8 +274,7 @@ impl Charging<'_> {
         // The window's edge computed here, not in SQL: `timestamptz - interval` is a stable
         // function, which Citus refuses inside a CASE of an UPDATE.
         .bind(now - time::Duration::milliseconds(window))
-        .persistent(state.store.persistent())
-        .fetch_one(phase.conn())
+        .fetch_one(&mut pg)
         .await
         .map_err(db("record the gateway call"))?;
         phase.commit().await?;

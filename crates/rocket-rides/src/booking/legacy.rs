@@ -18,12 +18,11 @@ pub(super) async fn finish_recorded(
     rider: &Rider<'_>,
     step: &mut Step<'_, RidePoint>,
 ) -> Result<Advance<RidePoint>, Halt> {
-    let persistent = rider.state.store.persistent();
-    let tx = step.tx().await?;
-    let ride = RideView::by_key(&mut *tx, persistent, rider.user_id, rider.key_id)
+    let mut pg = rider.state.store.statements_on(step.tx().await?);
+    let ride = RideView::by_key(&mut pg, rider.user_id, rider.key_id)
         .await
         .map_err(db("load ride"))?
         .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", rider.key_id)))?;
-    stage_receipt(tx, persistent, rider.user_id, ride.ride_id).await?;
+    stage_receipt(&mut pg, rider.user_id, ride.ride_id).await?;
     Ok(Advance::Finish(created(&ride)?))
 }

@@ -180,21 +180,17 @@ async fn create_ride(
             .commit()
             .await?;
         let mut conn = state.store.autocommit().await.map_err(db("acquire"))?;
-        let ride = insert_ride(
-            conn.conn(),
-            state,
-            rider.user_id,
-            Some(rider.key_id),
-            &request,
-        )
-        .await?;
-        let customer = rows::customer(conn.conn(), state, rider.user_id).await?;
+        let mut pg = state.store.statements_on(conn.conn());
+        let key_id = Some(rider.key_id);
+        let ride = insert_ride(&mut pg, state, rider.user_id, key_id, &request).await?;
+        let customer = rows::customer(&mut pg, rider.user_id).await?;
         conn.done().await.map_err(db("insert ride"))?;
         (ride, customer)
     } else {
-        let tx = step.tx().await?;
-        let ride = insert_ride(tx, state, rider.user_id, Some(rider.key_id), &request).await?;
-        (ride, rows::customer(tx, state, rider.user_id).await?)
+        let mut pg = state.store.statements_on(step.tx().await?);
+        let key_id = Some(rider.key_id);
+        let ride = insert_ride(&mut pg, state, rider.user_id, key_id, &request).await?;
+        (ride, rows::customer(&mut pg, rider.user_id).await?)
     };
     // The charge step that follows in this run starts from what was just written, without
     // reading the ride again (a transaction less per booking); a retry or the completer reads it.

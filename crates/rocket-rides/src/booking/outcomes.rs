@@ -77,10 +77,9 @@ impl Charging<'_> {
         charge: &Charge,
         found: Found,
     ) -> Result<Advance<RidePoint>, Halt> {
-        let persistent = self.rider.state.store.persistent();
+        let mut pg = self.rider.state.store.statements_on(step.tx().await?);
         let ride = charge_paid(
-            step.tx().await?,
-            persistent,
+            &mut pg,
             self.rider.user_id,
             self.target.ride_id,
             &charge.id,
@@ -103,6 +102,7 @@ impl Charging<'_> {
             .store
             .phase(step.lease().await?, RidePoint::ChargePending)
             .await?;
+        let mut pg = state.store.statements_on(phase.conn());
         sqlx::query(
             "UPDATE rides SET charge_id = $3, status = 'payment_pending', updated_at = now()
              WHERE id = $1 AND user_id = $2 AND key_owner = $2::text",
@@ -110,13 +110,11 @@ impl Charging<'_> {
         .bind(ride_id)
         .bind(user_id)
         .bind(&charge.id)
-        .persistent(state.store.persistent())
-        .execute(phase.conn())
+        .execute(&mut pg)
         .await
         .map_err(db("record pending charge"))?;
         audit(
-            phase.conn(),
-            state.store.persistent(),
+            &mut pg,
             user_id,
             "ride.charge_pending",
             ride_id,
@@ -199,7 +197,7 @@ impl Charging<'_> {
         message: &str,
     ) -> Result<Advance<RidePoint>, Halt> {
         let (state, user_id, ride_id) = (self.rider.state, self.rider.user_id, self.target.ride_id);
-        let tx = step.tx().await?;
+        let mut pg = state.store.statements_on(step.tx().await?);
         // A charge recorded pending that then failed is not the ride's charge: it moved no money.
         sqlx::query(
             "UPDATE rides SET status = 'declined', charge_id = NULL,
@@ -208,13 +206,11 @@ impl Charging<'_> {
         )
         .bind(ride_id)
         .bind(user_id)
-        .persistent(state.store.persistent())
-        .execute(&mut *tx)
+        .execute(&mut pg)
         .await
         .map_err(db("mark ride declined"))?;
         audit(
-            tx,
-            state.store.persistent(),
+            &mut pg,
             user_id,
             "ride.payment_declined",
             ride_id,
@@ -245,7 +241,7 @@ impl Charging<'_> {
             message = %redact_secrets(&refusal.message),
             "the gateway refused the charge for good"
         );
-        let tx = step.tx().await?;
+        let mut pg = state.store.statements_on(step.tx().await?);
         sqlx::query(
             "UPDATE rides SET status = 'failed', charge_doubt = NULL, charge_refusal = NULL,
                               updated_at = now()
@@ -253,14 +249,12 @@ impl Charging<'_> {
         )
         .bind(ride_id)
         .bind(user_id)
-        .persistent(state.store.persistent())
-        .execute(&mut *tx)
+        .execute(&mut pg)
         .await
         .map_err(db("mark ride failed"))?;
         let gateway_error = gateway_error(refusal);
         audit(
-            tx,
-            state.store.persistent(),
+            &mut pg,
             user_id,
             "ride.payment_refused",
             ride_id,

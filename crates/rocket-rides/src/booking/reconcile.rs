@@ -100,6 +100,7 @@ impl Charging<'_> {
             .autocommit()
             .await
             .map_err(db("read the ride's last gateway call"))?;
+        let mut pg = state.store.statements_on(conn.conn());
         let timed = state.store.timed(
             r#"
             SELECT ceil(extract(epoch FROM coalesce(charge_attempted_at, $now)
@@ -113,8 +114,7 @@ impl Charging<'_> {
             .bind(self.target.ride_id)
             .bind(millis(bound))
             .bind_now(&timed)
-            .persistent(state.store.persistent())
-            .fetch_one(conn.conn())
+            .fetch_one(&mut pg)
             .await
             .map_err(db("read the ride's last gateway call"))?;
         conn.done()
@@ -159,6 +159,7 @@ impl Charging<'_> {
         let lease = step.lease().await?;
         let point = lease.recovery_point();
         let mut phase = state.store.phase(lease, point).await?;
+        let mut pg = state.store.statements_on(phase.conn());
         sqlx::query(
             "UPDATE rides SET charge_doubt = $3, charge_refusal = $4, updated_at = now()
              WHERE id = $1 AND user_id = $2 AND key_owner = $2::text",
@@ -167,13 +168,11 @@ impl Charging<'_> {
         .bind(user_id)
         .bind(name)
         .bind(Json(&refusal))
-        .persistent(state.store.persistent())
-        .execute(phase.conn())
+        .execute(&mut pg)
         .await
         .map_err(db("keep the charge's doubt"))?;
         audit(
-            phase.conn(),
-            state.store.persistent(),
+            &mut pg,
             user_id,
             "ride.charge_in_doubt",
             ride_id,
@@ -274,6 +273,7 @@ impl Charging<'_> {
         let lease = step.lease().await?;
         let point = lease.recovery_point();
         let mut phase = state.store.phase(lease, point).await?;
+        let mut pg = state.store.statements_on(phase.conn());
         let timed = Timed::new(
             "UPDATE rides SET charge_generation = charge_generation + 1,
                               charge_generation_at = $now,
@@ -288,13 +288,11 @@ impl Charging<'_> {
             .bind(ride_id)
             .bind(user_id)
             .bind_now(&timed)
-            .persistent(state.store.persistent())
-            .fetch_one(phase.conn())
+            .fetch_one(&mut pg)
             .await
             .map_err(db("start a new charge generation"))?;
         audit(
-            phase.conn(),
-            state.store.persistent(),
+            &mut pg,
             user_id,
             "ride.charge_generation_started",
             ride_id,

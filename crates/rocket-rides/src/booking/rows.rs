@@ -4,15 +4,15 @@
 //! every worker (docs/scaling.md). `POST /bench/rides`
 //! writes the same rows with the first two.
 //!
-//! Each statement is unnamed when the key store's are (`persistent`, [`idempotency::Store::persistent`]):
-//! behind a pooler in transaction mode, a named prepared statement would be missing, or another
+//! Each statement is sent through the caller's [`Pg`], unnamed when the key store's are: behind
+//! a pooler in transaction mode, a named prepared statement would be missing, or another
 //! client's, on the server connection the next transaction gets.
 
 use idempotency::BindTime;
-use sqlx::PgConnection;
 use time::OffsetDateTime;
 
 use super::error::{db, BookingError};
+use crate::db::Pg;
 use crate::ride::{RideRequest, RideView, RIDE_COLUMNS};
 use crate::state::AppState;
 
@@ -20,7 +20,7 @@ use crate::state::AppState;
 /// (one each: on Citus, two inserts in one statement go through the coordinator to every
 /// worker; docs/scaling.md); returns the ride's id and creation time.
 pub(crate) async fn insert_ride(
-    conn: &mut PgConnection,
+    pg: &mut Pg<'_>,
     state: &AppState,
     user_id: i64,
     key_id: Option<i64>,
@@ -45,34 +45,20 @@ pub(crate) async fn insert_ride(
         .bind(request.target_lon)
         .bind(request.amount_cents)
         .bind_now(&timed)
-        .persistent(state.store.persistent())
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut *pg)
         .await
         .map_err(db("insert ride"))?;
     let data = serde_json::json!({ "idempotency_key_id": key_id });
-    audit(
-        conn,
-        state.store.persistent(),
-        user_id,
-        "ride.created",
-        ride_id,
-        data,
-    )
-    .await?;
+    audit(pg, user_id, "ride.created", ride_id, data).await?;
     Ok((ride_id, created_at))
 }
 
 /// The gateway's customer of `user_id`, read in the transaction that creates the ride: what the
 /// charge that follows in the same run asks the gateway to charge.
-pub(crate) async fn customer(
-    conn: &mut PgConnection,
-    state: &AppState,
-    user_id: i64,
-) -> Result<String, BookingError> {
+pub(crate) async fn customer(pg: &mut Pg<'_>, user_id: i64) -> Result<String, BookingError> {
     sqlx::query_scalar("SELECT stripe_customer_id FROM users WHERE id = $1")
         .bind(user_id)
-        .persistent(state.store.persistent())
-        .fetch_one(conn)
+        .fetch_one(pg)
         .await
         .map_err(db("read the rider's customer"))
 }
@@ -80,8 +66,7 @@ pub(crate) async fn customer(
 /// A paid charge on its ride, its audit record and the ride's receipt job, one statement each
 /// in the caller's transaction (see [`insert_ride`]); returns the ride as it is now.
 pub(crate) async fn charge_paid(
-    conn: &mut PgConnection,
-    persistent: bool,
+    pg: &mut Pg<'_>,
     user_id: i64,
     ride_id: i64,
     charge_id: &str,
@@ -96,21 +81,19 @@ pub(crate) async fn charge_paid(
     .bind(user_id)
     .bind(ride_id)
     .bind(charge_id)
-    .persistent(persistent)
-    .fetch_optional(&mut *conn)
+    .fetch_optional(&mut *pg)
     .await
     .map_err(db("record charge"))?
     .ok_or_else(|| BookingError::Internal(format!("no ride {ride_id} to record a charge on")))?;
     let data = serde_json::json!({ "charge_id": charge_id, "adopted": adopted });
-    audit(conn, persistent, user_id, "ride.charged", ride_id, data).await?;
-    stage_receipt(conn, persistent, user_id, ride_id).await?;
+    audit(pg, user_id, "ride.charged", ride_id, data).await?;
+    stage_receipt(pg, user_id, ride_id).await?;
     Ok(ride)
 }
 
 /// The receipt job of a ride whose charge an earlier version recorded.
 pub(crate) async fn stage_receipt(
-    conn: &mut PgConnection,
-    persistent: bool,
+    pg: &mut Pg<'_>,
     user_id: i64,
     ride_id: i64,
 ) -> Result<(), BookingError> {
@@ -120,8 +103,7 @@ pub(crate) async fn stage_receipt(
     )
     .bind(user_id)
     .bind(ride_id)
-    .persistent(persistent)
-    .execute(conn)
+    .execute(pg)
     .await
     .map_err(db("stage receipt job"))?;
     Ok(())
@@ -129,8 +111,7 @@ pub(crate) async fn stage_receipt(
 
 /// An audit record of the ride `ride_id`.
 pub(crate) async fn audit(
-    conn: &mut PgConnection,
-    persistent: bool,
+    pg: &mut Pg<'_>,
     user_id: i64,
     action: &str,
     ride_id: i64,
@@ -144,8 +125,7 @@ pub(crate) async fn audit(
     .bind(action)
     .bind(ride_id)
     .bind(data)
-    .persistent(persistent)
-    .execute(conn)
+    .execute(pg)
     .await
     .map_err(db("write audit record"))?;
     Ok(())

@@ -28,7 +28,10 @@
 //! keeps the key's id, which no key takes again.
 
 use anyhow::Context;
+use idempotency::store::Statements;
 use sqlx::{PgConnection, PgPool};
+
+use super::Pg;
 
 /// What `distribute` says, before it changes anything, on a server without Citus.
 pub const WITHOUT_CITUS: &str = "this database has no Citus extension (CREATE EXTENSION citus \
@@ -124,10 +127,9 @@ pub const REFERENCES: [(&str, &str, &str); 5] = [
 ];
 
 /// The installed version of Citus, or `None` on a server without it.
-pub async fn citus_version(conn: &mut PgConnection) -> Result<Option<String>, sqlx::Error> {
+pub async fn citus_version(pg: &mut Pg<'_>) -> Result<Option<String>, sqlx::Error> {
     sqlx::query_scalar("SELECT extversion FROM pg_extension WHERE extname = 'citus'")
-        .persistent(false)
-        .fetch_optional(conn)
+        .fetch_optional(pg)
         .await
 }
 
@@ -138,37 +140,40 @@ pub async fn citus_version(conn: &mut PgConnection) -> Result<Option<String>, sq
 /// coordinator, as to `migrate`, not a transaction pooler.
 pub async fn distribute(pool: &PgPool) -> anyhow::Result<Distributed> {
     let mut conn = pool.acquire().await.context("connect")?;
-    let conn = &mut *conn;
-    if citus_version(conn)
+    // Statements run once each, some with SQL built here: unnamed, so none stays prepared.
+    let mut pg = Statements::Unnamed.on(&mut *conn);
+    if citus_version(&mut pg)
         .await
         .context("read the Citus version")?
         .is_none()
     {
         anyhow::bail!(WITHOUT_CITUS);
     }
-    let mut done = is_distributed(conn, "users").await?;
+    let mut done = is_distributed(&mut pg, "users").await?;
     for (table, _) in TABLES {
-        done &= is_distributed(conn, table).await?;
+        done &= is_distributed(&mut pg, table).await?;
     }
-    if done && missing_references(conn).await?.is_empty() {
+    if done && missing_references(&mut pg).await?.is_empty() {
         return Ok(Distributed::Already);
     }
     super::fill_key_owners(pool)
         .await
         .context("step 1: fill key_owner")?;
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    for statement in prepare_statements(&mut tx).await? {
+    let statements = prepare_statements(&mut tx).await?;
+    let mut pg = Statements::Unnamed.on(&mut *tx);
+    for statement in statements {
         sqlx::query(&statement)
-            .persistent(false)
-            .execute(&mut *tx)
+            .execute(&mut pg)
             .await
             .with_context(|| format!("steps 1 to 3: {statement}"))?;
     }
     tx.commit().await.context("steps 1 to 3: commit")?;
+    let mut pg = Statements::Unnamed.on(&mut *conn);
     // Step 4: Citus's functions commit on the workers themselves: one call at a time.
     let colocated_with = TABLES[0].0;
     for (table, column) in TABLES {
-        if is_distributed(conn, table).await? {
+        if is_distributed(&mut pg, table).await? {
             continue;
         }
         let colocate = if table == colocated_with {
@@ -180,26 +185,23 @@ pub async fn distribute(pool: &PgPool) -> anyhow::Result<Distributed> {
             .bind(table)
             .bind(column)
             .bind(colocate)
-            .persistent(false)
-            .execute(&mut *conn)
+            .execute(&mut pg)
             .await
             .with_context(|| format!("step 4: distribute {table} by {column}"))?;
         tracing::info!(table, column, "distributed");
     }
-    if !is_distributed(conn, "users").await? {
+    if !is_distributed(&mut pg, "users").await? {
         sqlx::query("SELECT create_reference_table('users')")
-            .persistent(false)
-            .execute(&mut *conn)
+            .execute(&mut pg)
             .await
             .context("step 4: make users a reference table")?;
     }
     // Step 5: the foreign keys of the distributed layout.
-    for (table, name, definition) in missing_references(conn).await? {
+    for (table, name, definition) in missing_references(&mut pg).await? {
         sqlx::query(&format!(
             "ALTER TABLE {table} ADD CONSTRAINT {name} {definition}"
         ))
-        .persistent(false)
-        .execute(&mut *conn)
+        .execute(&mut pg)
         .await
         .with_context(|| format!("step 5: add {name} to {table} ({definition})"))?;
     }
@@ -211,10 +213,12 @@ pub async fn distribute(pool: &PgPool) -> anyhow::Result<Distributed> {
 /// table that is distributed already nothing is changed (a run that failed in step 4 or 5 has
 /// done steps 1 to 3 for every table).
 pub async fn prepare_statements(conn: &mut PgConnection) -> anyhow::Result<Vec<String>> {
+    // Read once each: unnamed, as in `distribute`.
+    let mut pg = Statements::Unnamed.on(conn);
     let mut statements = Vec::new();
     // Step 1: the column that will distribute the table, never empty, written by the service.
     for table in FILLED_BY_TRIGGER {
-        if is_distributed(conn, table).await? {
+        if is_distributed(&mut pg, table).await? {
             continue;
         }
         let (nullable, trigger): (bool, bool) = sqlx::query_as(
@@ -226,8 +230,7 @@ pub async fn prepare_statements(conn: &mut PgConnection) -> anyhow::Result<Vec<S
         )
         .bind(table)
         .bind(format!("{table}_key_owner"))
-        .persistent(false)
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut pg)
         .await
         .with_context(|| format!("read key_owner of {table}"))?;
         if trigger {
@@ -256,8 +259,7 @@ pub async fn prepare_statements(conn: &mut PgConnection) -> anyhow::Result<Vec<S
          ORDER BY 1, 2",
     )
     .bind(&names)
-    .persistent(false)
-    .fetch_all(&mut *conn)
+    .fetch_all(&mut pg)
     .await
     .context("read the foreign keys")?;
     for (table, name) in references {
@@ -265,7 +267,7 @@ pub async fn prepare_statements(conn: &mut PgConnection) -> anyhow::Result<Vec<S
     }
     // Step 3: the keys with the distribution column.
     for (table, old, name, definition) in KEYS {
-        if is_distributed(conn, table).await? {
+        if is_distributed(&mut pg, table).await? {
             continue;
         }
         let existing: Vec<(String, String)> = sqlx::query_as(
@@ -275,8 +277,7 @@ pub async fn prepare_statements(conn: &mut PgConnection) -> anyhow::Result<Vec<S
         .bind(table)
         .bind(old)
         .bind(name)
-        .persistent(false)
-        .fetch_all(&mut *conn)
+        .fetch_all(&mut pg)
         .await
         .with_context(|| format!("read the keys of {table}"))?;
         let wanted = definition.replace(" (", "(").replace(", ", ",");
@@ -298,7 +299,7 @@ pub async fn prepare_statements(conn: &mut PgConnection) -> anyhow::Result<Vec<S
 
 /// The foreign keys of [`REFERENCES`] that the database does not have.
 async fn missing_references(
-    conn: &mut PgConnection,
+    pg: &mut Pg<'_>,
 ) -> anyhow::Result<Vec<(&'static str, &'static str, &'static str)>> {
     let mut missing = Vec::new();
     for (table, name, definition) in REFERENCES {
@@ -308,8 +309,7 @@ async fn missing_references(
         )
         .bind(table)
         .bind(name)
-        .persistent(false)
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut *pg)
         .await
         .with_context(|| format!("read {name}"))?;
         if !exists {
@@ -329,15 +329,14 @@ pub enum Distributed {
 }
 
 /// Whether Citus already holds `table` in its metadata (distributed or a reference table).
-async fn is_distributed(conn: &mut PgConnection, table: &str) -> anyhow::Result<bool> {
+async fn is_distributed(pg: &mut Pg<'_>, table: &str) -> anyhow::Result<bool> {
     sqlx::query_scalar(
         "SELECT EXISTS (SELECT FROM pg_dist_partition
                         WHERE logicalrelid = $1::regclass AND partmethod IN ('h', 'n')
                           AND (partmethod = 'h' OR repmodel = 't'))",
     )
     .bind(table)
-    .persistent(false)
-    .fetch_one(conn)
+    .fetch_one(pg)
     .await
     .with_context(|| format!("is {table} distributed"))
 }

@@ -33,7 +33,8 @@ pub async fn create(
     let database = |e: sqlx::Error| ApiError::Internal(e.to_string());
 
     let mut tx = state.pool.begin().await.map_err(database)?;
-    let (ride_id, _) = booking::insert_ride(&mut tx, &state, user.id, None, &request)
+    let mut pg = state.store.statements_on(&mut *tx);
+    let (ride_id, _) = booking::insert_ride(&mut pg, &state, user.id, None, &request)
         .await
         .map_err(internal)?;
     tx.commit().await.map_err(database)?;
@@ -52,16 +53,10 @@ pub async fn create(
         .map_err(|e| ApiError::GatewayUnavailable(e.to_string()))?;
 
     let mut tx = state.pool.begin().await.map_err(database)?;
-    let ride = booking::charge_paid(
-        &mut tx,
-        state.store.persistent(),
-        user.id,
-        ride_id,
-        &charge.id,
-        false,
-    )
-    .await
-    .map_err(internal)?;
+    let mut pg = state.store.statements_on(&mut *tx);
+    let ride = booking::charge_paid(&mut pg, user.id, ride_id, &charge.id, false)
+        .await
+        .map_err(internal)?;
     tx.commit().await.map_err(database)?;
     let response = booking::created(&ride).map_err(internal)?;
     Ok(idempotency_axum::stored_response(&response))

@@ -41,10 +41,8 @@ pub async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
 /// One statement on the store's pool, as every statement of the service is sent.
 async fn ready(state: &AppState) -> Result<(), sqlx::Error> {
     let mut db = state.store.autocommit().await?;
-    sqlx::query("SELECT 1")
-        .persistent(state.store.persistent())
-        .execute(db.conn())
-        .await?;
+    let mut pg = state.store.statements_on(db.conn());
+    sqlx::query("SELECT 1").execute(&mut pg).await?;
     db.done().await
 }
 

@@ -253,7 +253,8 @@ pub async fn show(
     let ride_id = canonical_id(raw).ok_or(ApiError::NotFound)?;
     let internal = |e: sqlx::Error| ApiError::Internal(format!("load ride {ride_id}: {e}"));
     let mut db = state.store.autocommit().await.map_err(internal)?;
-    let ride = RideView::by_id(db.conn(), state.store.persistent(), user.id, ride_id)
+    let mut pg = state.store.statements_on(db.conn());
+    let ride = RideView::by_id(&mut pg, user.id, ride_id)
         .await
         .map_err(internal)?;
     db.done().await.map_err(internal)?;

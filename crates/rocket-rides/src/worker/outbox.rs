@@ -15,8 +15,8 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use sqlx::PgConnection;
 
+use crate::db::Pg;
 use crate::state::AppState;
 
 /// The job a finished ride stages.
@@ -70,8 +70,8 @@ pub struct FailedJob {
 
 /// Delivers up to `batch` jobs, one user's at a time; returns what it did.
 pub async fn run_once(state: &AppState, batch: i64) -> Result<Drained, DrainError> {
-    let persistent = state.store.persistent();
     let mut db = state.store.autocommit().await?;
+    let mut pg = state.store.statements_on(db.conn());
     let candidates: Vec<(i64, i64, bool)> = sqlx::query_as(
         // Only the jobs this build knows: a job of a newer build waits for it without blocking
         // the others.
@@ -82,8 +82,7 @@ pub async fn run_once(state: &AppState, batch: i64) -> Result<Drained, DrainErro
     )
     .bind(batch)
     .bind(&KNOWN_JOBS[..])
-    .persistent(persistent)
-    .fetch_all(db.conn())
+    .fetch_all(&mut pg)
     .await?;
     db.done().await?;
     // A job staged before migration 20261206100001 whose `key_owner` a `migrate` cut short did
@@ -113,8 +112,8 @@ pub async fn run_once(state: &AppState, batch: i64) -> Result<Drained, DrainErro
 
 /// One user's jobs, in one transaction.
 async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drained, DrainError> {
-    let persistent = state.store.persistent();
     let mut tx = state.pool.begin().await?;
+    let mut pg = state.store.statements_on(&mut *tx);
     let jobs: Vec<(i64, String, serde_json::Value)> = sqlx::query_as(
         "SELECT id, job_name, job_args FROM staged_jobs
          WHERE user_id = $1 AND key_owner = $1::text AND id = ANY($2)
@@ -122,12 +121,11 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
     )
     .bind(user_id)
     .bind(ids)
-    .persistent(persistent)
-    .fetch_all(&mut *tx)
+    .fetch_all(&mut pg)
     .await?;
     let mut drained = Drained::default();
     for (id, name, args) in &jobs {
-        match run_job(&mut tx, persistent, user_id, name, args).await? {
+        match run_job(&mut pg, user_id, name, args).await? {
             Ok(()) => {
                 let point = crate::failpoints::AFTER_RECEIPT_EFFECT;
                 if crate::failpoints::before_acknowledging(&state.failpoints, point) {
@@ -145,8 +143,7 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
                 .bind(user_id)
                 .bind(id)
                 .bind(truncate(&why, 1000))
-                .persistent(persistent)
-                .execute(&mut *tx)
+                .execute(&mut pg)
                 .await?;
                 drained.failed += 1;
             }
@@ -156,8 +153,7 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
         )
         .bind(user_id)
         .bind(id)
-        .persistent(persistent)
-        .execute(&mut *tx)
+        .execute(&mut pg)
         .await?;
     }
     tx.commit().await?;
@@ -166,8 +162,7 @@ async fn drain_user(state: &AppState, user_id: i64, ids: &[i64]) -> Result<Drain
 
 /// A job's effect; `Ok(Err(why))` for a job that can never run.
 async fn run_job(
-    conn: &mut PgConnection,
-    persistent: bool,
+    pg: &mut Pg<'_>,
     user_id: i64,
     name: &str,
     args: &serde_json::Value,
@@ -189,8 +184,7 @@ async fn run_job(
             )
             .bind(user_id)
             .bind(args.ride_id)
-            .persistent(persistent)
-            .execute(conn)
+            .execute(pg)
             .await?;
             Ok(Ok(()))
         }
@@ -198,20 +192,14 @@ async fn run_job(
     }
 }
 
-/// The jobs moved aside, newest first. `persistent`: whether the statement is a named prepared
-/// one ([`idempotency::Store::persistent`]).
-pub async fn failed_jobs(
-    db: impl sqlx::PgExecutor<'_>,
-    persistent: bool,
-    limit: i64,
-) -> Result<Vec<FailedJob>, sqlx::Error> {
+/// The jobs moved aside, newest first.
+pub async fn failed_jobs(pg: &mut Pg<'_>, limit: i64) -> Result<Vec<FailedJob>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, user_id, job_name, job_args, error, failed_at FROM failed_jobs
          ORDER BY failed_at DESC, id DESC LIMIT $1",
     )
     .bind(limit.clamp(1, 10_000))
-    .persistent(persistent)
-    .fetch_all(db)
+    .fetch_all(pg)
     .await
 }
 

@@ -530,10 +530,13 @@ fn statements_in(dir: &std::path::Path, found: &mut Vec<(String, usize, String)>
     }
 }
 
-/// The source of the claim above: each statement of the service is unnamed when the store's
-/// are (`.persistent(…)`), and none is sent on the pool alone (outside a transaction, which
-/// behind a transaction pooler can run another client's SQL). A statement added without them
-/// fails here, whether or not the load above happens to reach it.
+/// The source of the claim above: each statement of the service is sent through a `pg`
+/// (`rocket_rides::db::Pg`, a connection wrapped once by `Store::statements_on`, so that it is
+/// unnamed when the store's are, or by `Statements::Unnamed.on` for the migration-time
+/// statements on a direct connection), and no wrapper of the store wraps the pool (a statement
+/// alone on the pool is outside a transaction, which behind a transaction pooler can run
+/// another client's SQL). A statement added otherwise fails here, whether or not the load
+/// above reaches it.
 #[test]
 fn every_statement_of_the_service_follows_the_store() {
     let mut found = Vec::new();
@@ -546,15 +549,60 @@ fn every_statement_of_the_service_follows_the_store() {
         "the scan finds the statements: {found:?}"
     );
     for (file, line, chain) in &found {
+        let through_pg = ["(pg)", "(&mut pg)", "(&mut *pg)"]
+            .iter()
+            .any(|executor| chain.ends_with(executor));
         assert!(
-            chain.contains(".persistent("),
-            "{file}:{line} has no .persistent(…): {chain}"
+            through_pg,
+            "{file}:{line} is not sent through a pg (Store::statements_on): {chain}"
         );
-        for alone in ["(&state.pool)", "(pool)", "(&pool)", "(&self.pool)"] {
-            assert!(
-                !chain.ends_with(alone),
-                "{file}:{line} is sent on the pool alone: {chain}"
-            );
+    }
+    let mut wrapped = Vec::new();
+    wrappers_in(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &mut wrapped,
+    );
+    assert!(
+        wrapped.len() >= 10,
+        "the scan finds the wrappers: {wrapped:?}"
+    );
+    for (file, line, executor) in &wrapped {
+        assert!(
+            !executor.contains("pool"),
+            "{file}:{line} wraps the pool, where a statement stands alone: {executor}"
+        );
+    }
+}
+
+/// Every `statements_on(…)` of the service's source: (file, line, its argument).
+fn wrappers_in(dir: &std::path::Path, found: &mut Vec<(String, usize, String)>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            wrappers_in(&path, found);
+            continue;
+        }
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (at, call) in text.match_indices("statements_on(") {
+            let rest = &text[at + call.len()..];
+            // Up to the parenthesis that closes the call.
+            let mut depth = 1;
+            let end = rest
+                .char_indices()
+                .find_map(|(i, c)| {
+                    depth += match c {
+                        '(' => 1,
+                        ')' => -1,
+                        _ => 0,
+                    };
+                    (depth == 0).then_some(i)
+                })
+                .unwrap_or(rest.len());
+            let line = text[..at].lines().count() + 1;
+            found.push((path.display().to_string(), line, rest[..end].to_owned()));
         }
     }
 }

@@ -785,7 +785,9 @@ async fn a_job_that_cannot_run_is_moved_aside_and_the_others_are_delivered(pool:
         outbox::run_once(&app.state, 100).await.unwrap(),
         outbox::Drained::default()
     );
-    let failed = outbox::failed_jobs(&app.pool, true, 10).await.unwrap();
+    let mut conn = app.pool.acquire().await.unwrap();
+    let mut pg = app.state.store.statements_on(&mut *conn);
+    let failed = outbox::failed_jobs(&mut pg, 10).await.unwrap();
     assert_eq!(failed.len(), 1);
     assert_eq!(failed[0].user_id, Some(user_id));
     assert!(

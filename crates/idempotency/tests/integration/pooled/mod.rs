@@ -1,8 +1,8 @@
 //! The store's pool in a test: direct, or through the PgBouncer in transaction pooling that
 //! `IDEMPOTENCY_TEST_POOLER_URL` names (`scripts/pgbouncer.sh` starts one; `scripts/test.sh`
 //! runs the store's tests through it). The test's database is created and migrated on the
-//! direct URL as usual; only the store's statements (and the test's own inside phases, built
-//! with `.persistent(store.persistent())`) go through the pooler.
+//! direct URL as usual; only the store's statements (and the test's own inside phases, sent
+//! through `store.statements_on(phase.conn())`) go through the pooler.
 
 use std::str::FromStr;
 
