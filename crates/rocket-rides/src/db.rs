@@ -114,22 +114,28 @@ pub(crate) const KEY_OWNER_FILLED: [(&str, &str); 3] = [
 /// service's statements compare `key_owner`, so this runs before the new version starts: it is
 /// part of `migrate`.
 pub async fn fill_key_owners(pool: &PgPool) -> Result<(), sqlx::Error> {
-    // One connection, each statement its own transaction: the migrations' URL is a direct one
-    // (never a transaction pooler), where an autocommit statement is safe.
-    let mut conn = pool.acquire().await?;
-    // Unnamed: the SQL is built here for each table, and run a few times at most.
-    let mut pg = Statements::Unnamed.on(&mut *conn);
+    // Each statement in a transaction of its own: `migrate` runs this on a direct connection,
+    // but the worker's drain (`crate::worker::outbox`) on the service's pool, which may be a
+    // transaction pooler's, where an unnamed statement outside a transaction may have its
+    // parameters bound to another client's statement (`idempotency::Statements`). Short
+    // transactions, one batch each: the backfill never holds many row locks at once.
     for (table, id) in KEY_OWNER_FILLED {
+        let mut tx = pool.begin().await?;
+        // Unnamed: the SQL is built here for each table, and run a few times at most.
+        let mut pg = Statements::Unnamed.on(&mut *tx);
         let (from, to): (Option<i64>, Option<i64>) = sqlx::query_as(&format!(
             "SELECT min({id}), max({id}) FROM {table} WHERE key_owner IS NULL"
         ))
         .fetch_one(&mut pg)
         .await?;
+        tx.commit().await?;
         let (Some(mut from), Some(to)) = (from, to) else {
             continue;
         };
         while from <= to {
             let next = from.saturating_add(idempotency::BACKFILL_BATCH);
+            let mut tx = pool.begin().await?;
+            let mut pg = Statements::Unnamed.on(&mut *tx);
             sqlx::query(&format!(
                 "UPDATE {table} SET key_owner = user_id::text
                  WHERE {id} >= $1 AND {id} < $2 AND key_owner IS NULL"
@@ -138,6 +144,7 @@ pub async fn fill_key_owners(pool: &PgPool) -> Result<(), sqlx::Error> {
             .bind(next)
             .execute(&mut pg)
             .await?;
+            tx.commit().await?;
             from = next;
         }
     }
