@@ -12,6 +12,7 @@ use super::error::{db, BookingError};
 use super::target::{
     gateway_key, ChargeTarget, Charging, Doubt, Found, Kept, RidePoint, Rider, Window,
 };
+use crate::admission::Admitted;
 use crate::failpoints::{self, Gateway};
 use crate::metrics::{ChargeOutcome, GatewayCall};
 use crate::stripe::{Charge, ChargeError, NewCharge};
@@ -54,6 +55,31 @@ impl ChargeTarget {
             .ok_or_else(|| BookingError::Internal(format!("no ride for key {}", rider.key_id)))?;
         conn.done().await.map_err(db("load ride"))?;
         Ok(target)
+    }
+}
+
+impl<'a> Charging<'a> {
+    /// What the charge step works with: its ride, as the step before handed it on in this run,
+    /// or read. The ride's creation, or the last call's record, stands for the next call's
+    /// record when this holder wrote it ([`Step::arrived`]).
+    pub(super) async fn begin(
+        rider: Rider<'a>,
+        slot: Option<&'a Admitted>,
+        step: &mut Step<'_, RidePoint>,
+    ) -> Result<Self, Halt> {
+        let target = match step.handed::<ChargeTarget>() {
+            Some(target) => target,
+            None => ChargeTarget::load(&rider, step.arrived()).await?,
+        };
+        // Only the step that created the ride moves a key to a charge step's point
+        // (`charge_pending` is reached inside the charge step), and it hands the ride on:
+        // arrived here, nothing was read or written since its commit.
+        failpoints::charge_step_begins(&rider.state.failpoints, step.arrived()).await;
+        Ok(Charging {
+            rider,
+            target,
+            slot,
+        })
     }
 }
 

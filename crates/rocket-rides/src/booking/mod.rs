@@ -41,7 +41,7 @@
 //! |---|---|
 //! | `mod.rs` | [`Booking`]: the step of each recovery point, the shutdown |
 //! | `legacy.rs` | the point only earlier versions wrote (`charge_created`) |
-//! | `charge.rs` | the charge loop, the gateway call, each call's record (`Charging`'s methods) |
+//! | `charge.rs` | the charge step's start (its ride, handed on or read), the charge loop, the gateway call, each call's record (`Charging`'s methods) |
 //! | `reconcile.rs` | the doubts, the wait for calls in flight, the list, the next key generation |
 //! | `outcomes.rs` | how a charge ends: paid, pending, declined, refused; their answers |
 //! | `target.rs` | [`RidePoint`], the rider (the key's owner, parsed once per step), [`ChargeTarget`], `Charging` |
@@ -137,13 +137,13 @@ impl Booking {
         match point {
             RidePoint::Started => create_ride(&rider, step).await,
             RidePoint::RideCreated => {
-                charging(rider, self.slot.as_ref(), step)
+                Charging::begin(rider, self.slot.as_ref(), step)
                     .await?
                     .run(step)
                     .await
             }
             RidePoint::ChargePending => {
-                charging(rider, self.slot.as_ref(), step)
+                Charging::begin(rider, self.slot.as_ref(), step)
                     .await?
                     .resolve_pending(step)
                     .await
@@ -210,29 +210,6 @@ async fn create_ride(
         fresh: true,
     });
     Ok(Advance::To(RidePoint::RideCreated))
-}
-
-/// What the charge step works with: its ride, as the step before handed it on in this run, or
-/// read. The ride's creation, or the last call's record, stands for the next call's record when
-/// this holder wrote it ([`Step::arrived`]).
-async fn charging<'a>(
-    rider: Rider<'a>,
-    slot: Option<&'a Admitted>,
-    step: &mut Step<'_, RidePoint>,
-) -> Result<Charging<'a>, Halt> {
-    let target = match step.handed::<ChargeTarget>() {
-        Some(target) => target,
-        None => ChargeTarget::load(&rider, step.arrived()).await?,
-    };
-    // Only the step that created the ride moves a key to a charge step's point (`charge_pending`
-    // is reached inside the charge step), and it hands the ride on: arrived here, nothing was
-    // read or written since its commit.
-    crate::failpoints::charge_step_begins(&rider.state.failpoints, step.arrived()).await;
-    Ok(Charging {
-        rider,
-        target,
-        slot,
-    })
 }
 
 #[cfg(test)]
