@@ -33,10 +33,33 @@ use super::straddle;
 /// staged job (the final pass), then to deliver the receipts of the late questions' bookings.
 /// Shared, not one limit each: when the final pass used it up, the worker drains nothing (a
 /// sabotage broke it), and a second two minutes changed no run's audit (the PgBouncer control
-/// with named statements waited 120 s twice, for the same undrained jobs).
+/// with named statements waited 120 s twice, for the same undrained jobs). A pass that stops
+/// moving ends sooner, at [`STALL_LIMIT`].
 const FINAL_PASS_LIMIT: Duration = Duration::from_secs(120);
+/// How long the final pass waits with nothing moving (the same keys unfinished at the same
+/// recovery points, the same jobs staged) before it stops: then waiting cannot help, because a
+/// sabotage broke the worker (a key naming a ride that does not exist, statements the pooler
+/// refuses), and the audit says so at once instead of at [`FINAL_PASS_LIMIT`].
+///
+/// It must stay longer than the longest wait a calm worker can meet between two steps of one
+/// key, from the stack's settings (`services.rs`). When the calm phase starts, a key may wait for
+/// the lease of its holder, stopped or killed (8 s, [`services::LEASE_TTL`]), and for the
+/// completer's grace (9 s after it was made); the completer takes it within its interval
+/// (0.3 s). Its first attempt may then wait for the gateway's processing bound after the last
+/// call before it lists (10 s from that call, made before the calm phase), or find a held
+/// straddle's charge still being made ([`STRADDLE_HOLD`], 8.5 s, cut at the gateway timeout of
+/// 3 s and then refused 409 in flight until it ends), and after a failed attempt it waits the
+/// completer's longest backoff (3 s). The longer of the first two, then every other wait in a row:
+/// 25.3 s at the very worst; 30 s leaves room for a loaded machine. Every run prints its final
+/// pass's longest wait without a move (`chaos: final pass: …`): 2.0 s for `--requests 1000 --seed
+/// 42`, 9.3 s with `--failover`, on 2026-12-06; the most in sixty control runs that day 14.4 s
+/// (`--without derived-key`, seed 3). The straddles' key windows (42 s) are over before the calm
+/// phase: [`send`] waits for every straddle to end.
+const STALL_LIMIT: Duration = Duration::from_secs(30);
 /// The least time left for the receipts after the final pass: a calm worker delivers a few in
-/// well under a second.
+/// well under a second. Also how long the receipts wait with no staged job delivered before they
+/// stop (the drain runs every 200 ms): a worker that delivers nothing in that time delivers
+/// nothing at all.
 const RECEIPTS_AT_LEAST: Duration = Duration::from_secs(10);
 
 /// What the clients and the scripted requests did.
@@ -215,32 +238,110 @@ pub(crate) async fn calm(
     })
 }
 
-/// Waits (bounded) until no key is unfinished and no job staged.
+/// Waits (bounded) until no key is unfinished and no job staged, or until nothing has moved for
+/// [`STALL_LIMIT`]; says how long it waited and its longest wait without a move.
 async fn finish_every_key(pool: &PgPool) -> anyhow::Result<()> {
     let final_pass = Instant::now();
+    let mut watch = Stall::new();
     loop {
-        let left: i64 = sqlx::query_scalar(
-            "SELECT (SELECT count(*) FROM idempotency_keys WHERE finished_at IS NULL)
-                  + (SELECT count(*) FROM staged_jobs)",
-        )
-        .fetch_one(pool)
-        .await?;
-        if left == 0 || final_pass.elapsed() > FINAL_PASS_LIMIT {
+        let progress = Progress::read(pool).await?;
+        let (done, keys, jobs) = (
+            progress.is_empty(),
+            progress.unfinished.len(),
+            progress.staged.len(),
+        );
+        let still = watch.still(progress, Instant::now());
+        let stalled = still >= STALL_LIMIT;
+        if done || stalled || final_pass.elapsed() > FINAL_PASS_LIMIT {
+            eprintln!(
+                "chaos: final pass: {} in {:.1}s ({} keys unfinished, {} jobs staged; last move \
+                 at {:.1}s, longest wait without a move {:.1}s)",
+                if done {
+                    "done"
+                } else if stalled {
+                    "stopped, nothing moved for the stall limit"
+                } else {
+                    "stopped at its limit"
+                },
+                final_pass.elapsed().as_secs_f64(),
+                keys,
+                jobs,
+                watch.since.duration_since(final_pass).as_secs_f64(),
+                watch.longest.max(still).as_secs_f64(),
+            );
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 
+/// What the worker has left to do, compared between two looks to see whether it moved.
+#[derive(PartialEq, Eq)]
+struct Progress {
+    /// The unfinished keys and their recovery points: a step of a key moves it, a failed attempt
+    /// (a new fencing token, a backoff) does not.
+    unfinished: Vec<(i64, String)>,
+    /// The staged jobs.
+    staged: Vec<i64>,
+}
+
+impl Progress {
+    async fn read(pool: &PgPool) -> anyhow::Result<Self> {
+        let unfinished = sqlx::query_as(
+            "SELECT id, recovery_point FROM idempotency_keys WHERE finished_at IS NULL ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await?;
+        let staged = sqlx::query_scalar("SELECT id FROM staged_jobs ORDER BY id")
+            .fetch_all(pool)
+            .await?;
+        Ok(Self { unfinished, staged })
+    }
+
+    fn is_empty(&self) -> bool {
+        self.unfinished.is_empty() && self.staged.is_empty()
+    }
+}
+
+/// How long the worker's work has stood still.
+struct Stall<T> {
+    last: Option<T>,
+    since: Instant,
+    /// The longest it stood still before it last moved.
+    longest: Duration,
+}
+
+impl<T: PartialEq> Stall<T> {
+    fn new() -> Self {
+        Self {
+            last: None,
+            since: Instant::now(),
+            longest: Duration::ZERO,
+        }
+    }
+
+    /// How long the work has been `now`, seen `at`.
+    fn still(&mut self, now: T, at: Instant) -> Duration {
+        if self.last.as_ref() != Some(&now) {
+            self.longest = self.longest.max(at.saturating_duration_since(self.since));
+            self.since = at;
+            self.last = Some(now);
+        }
+        at.saturating_duration_since(self.since)
+    }
+}
+
 /// A request that never reached the server during the run was booked just now by its late
-/// question; lets the calm worker deliver its receipt before it stops, within `limit`.
+/// question; lets the calm worker deliver its receipt before it stops, within `limit`, and no
+/// longer than [`RECEIPTS_AT_LEAST`] without delivering one.
 async fn deliver_receipts(pool: &PgPool, limit: Duration) -> anyhow::Result<()> {
     let drained = Instant::now();
+    let mut watch = Stall::new();
     while drained.elapsed() < limit {
-        let staged: i64 = sqlx::query_scalar("SELECT count(*) FROM staged_jobs")
-            .fetch_one(pool)
+        let staged: Vec<i64> = sqlx::query_scalar("SELECT id FROM staged_jobs ORDER BY id")
+            .fetch_all(pool)
             .await?;
-        if staged == 0 {
+        if staged.is_empty() || watch.still(staged, Instant::now()) >= RECEIPTS_AT_LEAST {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -336,4 +437,25 @@ pub(crate) async fn audit_and_report(
     }
     eprintln!("chaos: report in {}", dir.join("report.html").display());
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stall_counts_from_the_last_move_and_keeps_the_longest() {
+        let start = Instant::now();
+        let at = |secs| start + Duration::from_secs(secs);
+        let mut watch = Stall::new();
+        watch.since = start;
+        assert_eq!(watch.still(3, at(0)), Duration::ZERO);
+        assert_eq!(watch.still(3, at(5)), Duration::from_secs(5));
+        // A move starts the count again; the wait before it is kept.
+        assert_eq!(watch.still(2, at(7)), Duration::ZERO);
+        assert_eq!(watch.longest, Duration::from_secs(7));
+        assert_eq!(watch.still(2, at(9)), Duration::from_secs(2));
+        assert_eq!(watch.still(1, at(10)), Duration::ZERO);
+        assert_eq!(watch.longest, Duration::from_secs(7));
+    }
 }
