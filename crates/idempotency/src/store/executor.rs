@@ -48,8 +48,13 @@ use super::statements::Statements;
 /// ```
 ///
 /// With [`Statements::Unnamed`] every query is unnamed, whatever it says itself, and
-/// [`Executor::prepare`] is refused: a prepared statement is a named one, which the pooler
-/// loses. With [`Statements::Prepared`] each query keeps its own choice (named and cached, as
+/// [`Executor::prepare`] and [`Executor::describe`] are refused: sqlx prepares and describes with
+/// a named statement, which the pooler loses. One thing the wrapper cannot undo: sqlx looks a
+/// query's text up in its connection's cache of named statements before it asks whether the
+/// query is persistent, so a text that the same connection once sent *outside* the wrapper as a
+/// named statement is sent by that name again. In a service behind a transaction pooler, send
+/// every query of the connection through the wrapper (or `.persistent(false)`): then the cache
+/// stays empty. With [`Statements::Prepared`] each query keeps its own choice (named and cached, as
 /// sqlx does by default, unless it was built with `.persistent(false)`).
 ///
 /// The wrapper makes statements unnamed; it does not open a transaction. Behind a transaction
@@ -145,9 +150,10 @@ impl<'q, Q: Execute<'q, Postgres>> Execute<'q, Postgres> for InMode<Q> {
     }
 }
 
-/// The error of [`Executor::prepare`] on an executor in [`Statements::Unnamed`].
+/// The error of [`Executor::prepare`] and [`Executor::describe`] on an executor in
+/// [`Statements::Unnamed`].
 const PREPARE_REFUSED: &str =
-    "a prepared statement is a named one, which a transaction pooler loses: \
+    "sqlx prepares and describes with a named statement, which a transaction pooler loses: \
      with Statements::Unnamed send the query itself";
 
 impl<'c, E> Executor<'c> for StatementsOn<E>
@@ -202,7 +208,13 @@ where
     where
         'c: 'e,
     {
-        self.inner.describe(sql)
+        // sqlx describes with a named statement and caches it: a later query with this text
+        // would be sent by that name, which the pooler loses.
+        if self.persistent {
+            self.inner.describe(sql)
+        } else {
+            Box::pin(async { Err(sqlx::Error::Configuration(PREPARE_REFUSED.into())) })
+        }
     }
 }
 
