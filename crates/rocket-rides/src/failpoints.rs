@@ -19,7 +19,7 @@
 //!
 //! | seam | where it is called | its points, in the order a request passes them |
 //! |---|---|---|
-//! | `charge_step_begins` | `booking::charging`, once the charge step has its ride | crash `after_ride_created` (the step that created the ride just committed), stand-still `after_ride_loaded` |
+//! | `charge_step_begins` | `Charging::begin` (`booking/charge.rs`), once the charge step has its ride | crash `after_ride_created` (the step that created the ride just committed), stand-still `after_ride_loaded` |
 //! | `gateway` | `Charging::run` before a create call leaves; `Charging::settle` when a succeeded charge comes back | crash `after_new_generation` (the new generation's phase just committed), stand-still `after_call_recorded` (the call's record just committed), crash `after_gateway_charge` (the charge shown, not yet recorded) |
 //! | `before_acknowledging` | `handlers::rides` once the driver stored the answer; `worker::outbox` once a receipt is written | crash `after_finished` (before the answer leaves), crash `after_receipt_effect` (before the job is deleted) |
 //!
@@ -432,7 +432,8 @@ mod disarmed {
 // for the boundary it sits on, so that the booking's flow reads as the pattern and one line per
 // boundary says "a test may stop here".
 
-/// Seam 1, **the charge step begins** (`booking::charging`, once the step has its ride): a crash
+/// Seam 1, **the charge step begins** (`Charging::begin` in `booking/charge.rs`, once the step
+/// has its ride): a crash
 /// at [`AFTER_RIDE_CREATED`] when this holder's previous step just committed the ride (the step
 /// that created it handed the ride on: nothing was read or written since its commit), then the
 /// stand-still at [`AFTER_RIDE_LOADED`].
@@ -473,9 +474,10 @@ pub(crate) async fn gateway(failpoints: &Failpoints, crossing: Gateway) {
     }
 }
 
-/// Seam 3, **before acknowledging** an effect that is already committed: the stored answer
-/// before it leaves ([`AFTER_FINISHED`], `handlers::rides`), a receipt before its job is deleted
-/// ([`AFTER_RECEIPT_EFFECT`], `worker::outbox`). Whether the caller must stop here as if the
+/// Seam 3, **before acknowledging** an effect: the stored answer, committed, before it leaves
+/// ([`AFTER_FINISHED`], `handlers::rides`); a receipt, written in the drain's transaction, before
+/// its job is deleted in the same transaction ([`AFTER_RECEIPT_EFFECT`], `worker::outbox`: a
+/// crash there rolls the receipt back with the job's deletion). Whether the caller must stop here as if the
 /// process died (a test armed the point); a configured crash exits the process instead of
 /// returning. Always false in builds without the `failpoints` feature.
 pub(crate) fn before_acknowledging(failpoints: &Failpoints, point: &'static str) -> bool {
