@@ -156,6 +156,12 @@ const PREPARE_REFUSED: &str =
     "sqlx prepares and describes with a named statement, which a transaction pooler loses: \
      with Statements::Unnamed send the query itself";
 
+/// The answer of [`Executor::prepare_with`] and [`Executor::describe`] in
+/// [`Statements::Unnamed`].
+fn refused<'e, T: Send + 'e>() -> BoxFuture<'e, Result<T, sqlx::Error>> {
+    Box::pin(async { Err(sqlx::Error::Configuration(PREPARE_REFUSED.into())) })
+}
+
 impl<'c, E> Executor<'c> for StatementsOn<E>
 where
     E: Executor<'c, Database = Postgres>,
@@ -197,7 +203,7 @@ where
         if self.persistent {
             self.inner.prepare_with(sql, parameters)
         } else {
-            Box::pin(async { Err(sqlx::Error::Configuration(PREPARE_REFUSED.into())) })
+            refused()
         }
     }
 
@@ -213,7 +219,7 @@ where
         if self.persistent {
             self.inner.describe(sql)
         } else {
-            Box::pin(async { Err(sqlx::Error::Configuration(PREPARE_REFUSED.into())) })
+            refused()
         }
     }
 }
