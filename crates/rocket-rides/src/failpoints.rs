@@ -7,8 +7,8 @@
 //!   as if the process had died (no further phase, no lease release), and disarms it;
 //! - a test **arms a stand-still** at one of the points where a holder may be paused (a stopped
 //!   process, a frozen virtual machine): the next request that passes it stops there until the
-//!   test lets it go on ([`Failpoints::stand_still_at`]), so that the test can move the clock or
-//!   the gateway meanwhile;
+//!   test lets it go on (`Failpoints::stand_still_at`, in `failpoints` builds), so that the
+//!   test can move the clock or the gateway meanwhile;
 //! - a chaos run sets `ROCKET_RIDES_FAILPOINTS=after_ride_created=0.02,…` (with
 //!   `ROCKET_RIDES_FAILPOINT_SEED`) for the processes it spawns: a request passing a point exits
 //!   the whole process with that probability, with the point's exit code ([`exit_code`]), so the
@@ -55,7 +55,7 @@ pub const AFTER_FINISHED: &str = "after_finished";
 /// In the outbox drain, after a receipt was written and before its job is deleted.
 pub const AFTER_RECEIPT_EFFECT: &str = "after_receipt_effect";
 
-/// Where a booking stands still, if a test armed it ([`Failpoints::stand_still_at`]): once the
+/// Where a booking stands still, if a test armed it (`Failpoints::stand_still_at`): once the
 /// charge step has its ride (a new key's as the step that created it handed it on, a taken-over
 /// key's read by `ChargeTarget::load`), before it uses it.
 pub const AFTER_RIDE_LOADED: &str = "after_ride_loaded";
