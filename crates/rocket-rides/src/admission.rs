@@ -22,6 +22,20 @@
 //! once.
 //! `--http-max-in-flight` stays the outer bound of the whole edge.
 //!
+//! # Past capacity, a short wait
+//!
+//! The wait absorbs a burst; under a load the gate cannot serve, it is only a queue: every
+//! admitted request would first wait nearly the whole `--admission-wait` for its slot (the oldest
+//! waiter gets each slot freed), and the answers' latency would be that wait plus the request.
+//! So a shed tells the gate that its queue stands: for [`OVERLOADED_FOR`] after any shed, a
+//! request that finds no free slot waits at most `--admission-overload-wait` (25 ms by default),
+//! and only when that long has passed without a shed does the whole wait come back. Below capacity nothing is shed and
+//! nothing changes (a closed loop of more clients than slots queues within the wait, never past
+//! it); past capacity the queue holds a few milliseconds of arrivals, still enough to hand every
+//! freed slot on at once, so the gate serves as many as before, each sooner, and sheds the rest
+//! sooner too. It is the controlled-delay rule of queues that must keep latency bounded under
+//! overload: the wait a queue may impose depends on whether it has drained lately.
+//!
 //! # A slot is for the database, not for the gateway
 //!
 //! A booking waiting on the gateway, or a duplicate waiting for another request's answer
@@ -64,6 +78,7 @@ use std::time::Duration;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tower::{Layer, Service};
 
 use crate::metrics::Metrics;
@@ -76,6 +91,11 @@ use crate::problem::ApiError;
 /// 201s' p50 at capacity from 14 to 177 ms (docs/performance.md). A slow gateway's call (real
 /// Stripe answers in hundreds of milliseconds) gives its slot back after this long.
 pub const HOLD_THROUGH: Duration = Duration::from_millis(20);
+
+/// How long after a shed the gate keeps the short wait (`--admission-overload-wait`): sheds
+/// that come at least this often keep it. The `Retry-After` of a shed: the clients shed come
+/// back after as long.
+pub const OVERLOADED_FOR: Duration = crate::config::OVERLOAD_RETRY_AFTER;
 
 /// A slot of the gate, held by an admitted request: put in the request's extensions, so that
 /// work the handler detaches from the connection (the booking's task) takes it along and the
@@ -163,17 +183,24 @@ pub struct AdmissionLayer {
     /// Slots taken on credit and not yet paid back by a slot let go.
     debt: Arc<AtomicUsize>,
     wait: Duration,
+    /// The wait within [`OVERLOADED_FOR`] of a shed: at most `wait`.
+    overload_wait: Duration,
+    /// When the gate last shed a request.
+    last_shed: Arc<Mutex<Option<Instant>>>,
     metrics: Metrics,
 }
 
 impl AdmissionLayer {
-    /// A gate of `limit` slots (at least one) whose requests wait at most `wait` for one; a
-    /// shed is counted in `metrics` (`http_requests_shed_total`).
-    pub fn new(limit: u32, wait: Duration, metrics: Metrics) -> Self {
+    /// A gate of `limit` slots (at least one) whose requests wait at most `wait` for one, or
+    /// at most `overload_wait` (cut to `wait`) within [`OVERLOADED_FOR`] of a shed; a shed is
+    /// counted in `metrics` (`http_requests_shed_total`).
+    pub fn new(limit: u32, wait: Duration, overload_wait: Duration, metrics: Metrics) -> Self {
         Self {
             slots: Arc::new(Semaphore::new(limit.max(1) as usize)),
             debt: Arc::new(AtomicUsize::new(0)),
             wait,
+            overload_wait: overload_wait.min(wait),
+            last_shed: Arc::new(Mutex::new(None)),
             metrics,
         }
     }
@@ -254,19 +281,39 @@ impl AdmissionLayer {
     }
 
     /// A slot: at once when one is free, else the first freed within the wait (the semaphore
-    /// hands slots out in arrival order), else none.
+    /// hands slots out in arrival order), else none, and the shed is remembered.
     async fn admit(&self) -> Option<OwnedSemaphorePermit> {
         if let Ok(permit) = self.slots.clone().try_acquire_owned() {
             return Some(permit);
         }
-        if self.wait.is_zero() {
-            return None;
+        let wait = self.wait_now();
+        let permit = if wait.is_zero() {
+            None
+        } else {
+            // The semaphore is never closed: an error cannot come.
+            tokio::time::timeout(wait, self.slots.clone().acquire_owned())
+                .await
+                .ok()
+                .and_then(Result::ok)
+        };
+        if permit.is_none() {
+            *self.last_shed() = Some(Instant::now());
         }
-        // The semaphore is never closed: an error cannot come.
-        tokio::time::timeout(self.wait, self.slots.clone().acquire_owned())
-            .await
-            .ok()
-            .and_then(Result::ok)
+        permit
+    }
+
+    /// How long a request that finds no free slot may wait for one now: the whole wait, or the
+    /// overload wait within [`OVERLOADED_FOR`] of a shed.
+    fn wait_now(&self) -> Duration {
+        match *self.last_shed() {
+            Some(shed) if shed.elapsed() < OVERLOADED_FOR => self.overload_wait,
+            _ => self.wait,
+        }
+    }
+
+    fn last_shed(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        // Never held across an await: a poisoned lock is only a panicked read or write of a time.
+        self.last_shed.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -279,6 +326,9 @@ mod tests {
     use tower::ServiceExt;
 
     use super::*;
+
+    /// The overload wait of the gates below.
+    const OVERLOAD_WAIT: Duration = Duration::from_millis(5);
 
     /// A gate of one slot in front of a service that says when a request entered it and
     /// answers 200 once `go` is true, with whether the request carried its slot.
@@ -302,7 +352,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
             }
         });
-        let layer = AdmissionLayer::new(1, wait, metrics.clone());
+        let layer = AdmissionLayer::new(1, wait, OVERLOAD_WAIT, metrics.clone());
         (layer.layer(inner), entries, go)
     }
 
@@ -340,7 +390,8 @@ mod tests {
     #[test]
     fn a_request_back_to_no_free_slot_goes_on_on_credit_and_the_next_slot_let_go_is_its() {
         let metrics = Metrics::default();
-        let gate = AdmissionLayer::new(1, Duration::from_millis(10), metrics.clone());
+        let gate =
+            AdmissionLayer::new(1, Duration::from_millis(10), OVERLOAD_WAIT, metrics.clone());
         let back = admitted(&gate);
         back.give_back();
         // While it is away, another request takes the one slot.
@@ -364,7 +415,12 @@ mod tests {
 
     #[tokio::test]
     async fn work_that_ends_within_the_hold_keeps_the_slot_and_longer_work_gives_it_back() {
-        let gate = AdmissionLayer::new(1, Duration::from_millis(10), Metrics::default());
+        let gate = AdmissionLayer::new(
+            1,
+            Duration::from_millis(10),
+            OVERLOAD_WAIT,
+            Metrics::default(),
+        );
         let slot = admitted(&gate);
         // A call that answers at once: the slot is held throughout.
         let free_during = slot.away(async { gate.slots.available_permits() }).await;
@@ -392,7 +448,12 @@ mod tests {
 
     #[test]
     fn a_debt_not_yet_paid_is_cancelled_when_the_request_on_credit_ends_first() {
-        let gate = AdmissionLayer::new(1, Duration::from_millis(10), Metrics::default());
+        let gate = AdmissionLayer::new(
+            1,
+            Duration::from_millis(10),
+            OVERLOAD_WAIT,
+            Metrics::default(),
+        );
         let back = admitted(&gate);
         back.give_back();
         let other = admitted(&gate);
@@ -405,6 +466,51 @@ mod tests {
             1,
             "the gate has its one slot"
         );
+    }
+
+    #[tokio::test]
+    async fn after_a_shed_the_gate_waits_short_until_it_has_shed_nothing_for_a_while() {
+        let wait = Duration::from_secs(30);
+        let metrics = Metrics::default();
+        let gate = AdmissionLayer::new(1, wait, OVERLOAD_WAIT, metrics.clone());
+        let (entered, mut entries) = mpsc::unbounded_channel();
+        let (go, gone) = watch::channel(false);
+        let service = gate.layer(tower::service_fn(move |_: Request| {
+            let (entered, mut gone) = (entered.clone(), gone.clone());
+            async move {
+                entered.send(()).unwrap();
+                gone.wait_for(|go| *go).await.unwrap();
+                Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
+            }
+        }));
+        // Nothing shed yet: a request without a slot may wait the whole wait.
+        assert_eq!(gate.wait_now(), wait);
+        let holder = tokio::spawn(service.clone().oneshot(request()));
+        entries.recv().await.unwrap();
+        // A shed a moment ago (the whole wait is too long to sit through here): the queue
+        // stands, and the next request without a slot is shed after the short wait.
+        *gate.last_shed() = Some(Instant::now());
+        assert_eq!(gate.wait_now(), OVERLOAD_WAIT);
+        let before = *gate.last_shed();
+        let shed = tokio::time::timeout(wait / 2, service.clone().oneshot(request()))
+            .await
+            .expect("shed after the short wait, not the whole one")
+            .unwrap();
+        assert_eq!(shed.status(), 503);
+        assert!(
+            *gate.last_shed() > before,
+            "the shed is remembered: sheds that keep coming keep the short wait"
+        );
+        assert!(metrics.render(None).contains("http_requests_shed_total 1"));
+        // A second without a shed: the whole wait is back for the next burst.
+        *gate.last_shed() = Instant::now().checked_sub(OVERLOADED_FOR);
+        assert_eq!(gate.wait_now(), wait);
+        go.send_replace(true);
+        assert_eq!(holder.await.unwrap().unwrap().status(), 200);
+        // A gate whose whole wait is shorter keeps that: the short wait never lengthens it.
+        let short = AdmissionLayer::new(1, Duration::from_millis(1), OVERLOAD_WAIT, metrics);
+        *short.last_shed() = Some(Instant::now());
+        assert_eq!(short.wait_now(), Duration::from_millis(1));
     }
 
     #[tokio::test]

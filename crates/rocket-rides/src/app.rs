@@ -88,7 +88,12 @@ pub fn api_router(state: AppState, with_metrics: bool) -> Router {
     let metrics = state.metrics.clone();
     let http = state.http.clone();
     let slots = http.admission_slots(state.pool.options().get_max_connections());
-    let gate = AdmissionLayer::new(slots, http.admission_wait, metrics.clone());
+    let gate = AdmissionLayer::new(
+        slots,
+        http.admission_wait,
+        http.admission_overload_wait,
+        metrics.clone(),
+    );
     let (routes, doc) = routes(with_metrics, gate);
     routes
         .fallback(|| async { ApiError::NoRoute })

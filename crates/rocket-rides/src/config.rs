@@ -264,10 +264,21 @@ pub struct HttpArgs {
     /// a shed.
     #[arg(long, env = "ADMISSION_WAIT", value_parser = parse_duration, default_value = "200ms")]
     pub admission_wait: Duration,
+    /// Longest wait for an admission slot within a second of a shed, when the queue stands:
+    /// past capacity an admitted request then waits this long at most, not the whole
+    /// --admission-wait, and the rest are shed sooner. Below capacity nothing is shed and the
+    /// whole wait applies. At most --admission-wait (a longer one is cut to it).
+    #[arg(long, env = "ADMISSION_OVERLOAD_WAIT", value_parser = parse_duration,
+          default_value = "25ms")]
+    pub admission_overload_wait: Duration,
 }
 
 /// Default of `--admission-wait` (measured with `bench`'s open loop, docs/performance.md).
 pub const DEFAULT_ADMISSION_WAIT: Duration = Duration::from_millis(200);
+
+/// Default of `--admission-overload-wait` (measured with `bench`'s open loop,
+/// docs/performance.md).
+pub const DEFAULT_ADMISSION_OVERLOAD_WAIT: Duration = Duration::from_millis(25);
 
 /// The longest `--admission-wait`: a client told by a shed to come back after this long
 /// (`Retry-After: 1`) would do better to come back than to wait longer in the queue.
@@ -293,6 +304,7 @@ impl Default for HttpArgs {
             http_max_in_flight: 256,
             admission_limit: None,
             admission_wait: DEFAULT_ADMISSION_WAIT,
+            admission_overload_wait: DEFAULT_ADMISSION_OVERLOAD_WAIT,
         }
     }
 }
@@ -758,6 +770,25 @@ mod tests {
             ..Default::default()
         };
         assert!(validate(&zero, &LeaseArgs::default()).is_err());
+    }
+
+    #[test]
+    fn the_edges_flags_default_to_its_defaults() {
+        #[derive(clap::Parser)]
+        struct Edge {
+            #[command(flatten)]
+            http: HttpArgs,
+        }
+        let flags = <Edge as clap::Parser>::try_parse_from(["edge"])
+            .unwrap()
+            .http;
+        let defaults = HttpArgs::default();
+        assert_eq!(flags.admission_wait, defaults.admission_wait);
+        assert_eq!(
+            flags.admission_overload_wait,
+            defaults.admission_overload_wait
+        );
+        assert!(defaults.admission_overload_wait < defaults.admission_wait);
     }
 
     #[test]
