@@ -75,12 +75,10 @@ nextest() {
 # filters, never by `-p` or `--exclude`): cargo resolves the dependencies' features over the
 # packages it selects, so another selection builds sqlx and its dependents again (CI lost 86 s
 # to `--exclude protocol-model` and 54 s and 47 s to each `-p` run through PgBouncer below).
-# The protocol model's check runs apart, below, with its output shown: both profiles leave its
-# binary out (.config/nextest.toml).
+# The protocol model's checks (every reachable state of the real protocol, and each protection's
+# absence found as a counterexample) are in this run, beside the heavy tests, and print their
+# state counts, times and traces (.config/nextest.toml).
 nextest --workspace "$@"
-# The protocol model: every reachable state of the real protocol, and each protection's absence
-# found as a counterexample; prints the state counts, the times and the traces.
-cargo test --workspace --locked --test model -- --nocapture 2>&1 | tee "$work/model.log" || status=1
 cargo test --workspace --locked --doc 2>&1 | tee "$work/doc.log" || status=1
 # The store's tests again, through a PgBouncer in transaction pooling (scripts/pgbouncer.sh,
 # installed where missing), with the store's Statements::Unnamed (store, expiry, handover);
@@ -135,8 +133,7 @@ for path in sorted(glob.glob(os.path.join(work, "run-*.xml"))):
         passed += not bad
         tests.append((secs, binary, name))
         binaries[binary] = binaries.get(binary, 0.0) + secs
-for name in ("doc.log", "model.log"):
-  with open(os.path.join(work, name), errors="replace") as log:
+with open(os.path.join(work, "doc.log"), errors="replace") as log:
     for line in log:
         m = re.match(r"test result: \w+\. (\d+) passed; (\d+) failed", line)
         if m:
