@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | `http_requests_total` | counter | `method` (unknown methods are `OTHER`), `route` (the template, `unmatched` for none), `status` |
 //! | `http_request_duration_seconds` | histogram | `method`, `route`, `status` |
-//! | `http_requests_shed_total`, `http_requests_timed_out_total` | counter | requests answered 503 by the edge: too many in flight or no admission slot within `--admission-wait`, past the deadline |
+//! | `http_requests_shed_total`, `http_requests_timed_out_total` | counter | requests answered 503 by the edge: too many in flight or no admission slot within `--admission-wait` (or `--admission-overload-wait` within a second of a shed), past the deadline |
 //! | `http_admission_overdrawn_total` | counter | admitted bookings that came back from the gateway or a wait to no free slot and went on on credit, paid back by the next slot let go (never shed half-way) |
 //! | `http_connections_open` | gauge | |
 //! | `http_connections_refused_total` | counter | connections answered 503 and closed: too many open |
