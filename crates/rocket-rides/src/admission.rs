@@ -29,12 +29,14 @@
 //! waiter gets each slot freed), and the answers' latency would be that wait plus the request.
 //! So a shed tells the gate that its queue stands: for [`OVERLOADED_FOR`] after any shed, a
 //! request that finds no free slot waits at most `--admission-overload-wait` (25 ms by default),
-//! and only when that long has passed without a shed does the whole wait come back. Below capacity nothing is shed and
-//! nothing changes (a closed loop of more clients than slots queues within the wait, never past
-//! it); past capacity the queue holds a few milliseconds of arrivals, still enough to hand every
-//! freed slot on at once, so the gate serves as many as before, each sooner, and sheds the rest
-//! sooner too. It is the controlled-delay rule of queues that must keep latency bounded under
-//! overload: the wait a queue may impose depends on whether it has drained lately.
+//! and only when that long has passed without a shed does the whole wait come back. Below
+//! capacity nothing is shed and nothing changes (a closed loop of more clients than slots, whose
+//! queue clears within the whole wait, never starts it); past capacity the queue holds a few
+//! milliseconds of arrivals, still enough to hand every freed slot on at once, so the gate
+//! serves at least as many as before, each sooner, and sheds the rest sooner too. It is the
+//! controlled-delay rule of queues that must keep latency bounded under overload: the wait a
+//! queue may impose depends on whether it has drained lately. A client that ignores
+//! `Retry-After` and sends again at once keeps the queue standing, and the short wait with it.
 //!
 //! # A slot is for the database, not for the gateway
 //!
