@@ -343,6 +343,23 @@ mod tests {
         mpsc::UnboundedReceiver<()>,
         watch::Sender<bool>,
     ) {
+        behind(&AdmissionLayer::new(
+            1,
+            wait,
+            OVERLOAD_WAIT,
+            metrics.clone(),
+        ))
+    }
+
+    /// [`gated`]'s service behind `gate`.
+    fn behind(
+        gate: &AdmissionLayer,
+    ) -> (
+        impl Service<Request, Response = Response, Error = std::convert::Infallible, Future: Send>
+            + Clone,
+        mpsc::UnboundedReceiver<()>,
+        watch::Sender<bool>,
+    ) {
         let (entered, entries) = mpsc::unbounded_channel();
         let (go, gone) = watch::channel(false);
         let inner = tower::service_fn(move |request: Request| {
@@ -354,8 +371,7 @@ mod tests {
                 Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
             }
         });
-        let layer = AdmissionLayer::new(1, wait, OVERLOAD_WAIT, metrics.clone());
-        (layer.layer(inner), entries, go)
+        (gate.layer(inner), entries, go)
     }
 
     fn request() -> Request {
@@ -475,16 +491,7 @@ mod tests {
         let wait = Duration::from_secs(30);
         let metrics = Metrics::default();
         let gate = AdmissionLayer::new(1, wait, OVERLOAD_WAIT, metrics.clone());
-        let (entered, mut entries) = mpsc::unbounded_channel();
-        let (go, gone) = watch::channel(false);
-        let service = gate.layer(tower::service_fn(move |_: Request| {
-            let (entered, mut gone) = (entered.clone(), gone.clone());
-            async move {
-                entered.send(()).unwrap();
-                gone.wait_for(|go| *go).await.unwrap();
-                Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
-            }
-        }));
+        let (service, mut entries, go) = behind(&gate);
         // Nothing shed yet: a request without a slot may wait the whole wait.
         assert_eq!(gate.wait_now(), wait);
         let holder = tokio::spawn(service.clone().oneshot(request()));

@@ -433,10 +433,9 @@ mod disarmed {
 // boundary says "a test may stop here".
 
 /// Seam 1, **the charge step begins** (`Charging::begin` in `booking/charge.rs`, once the step
-/// has its ride): a crash
-/// at [`AFTER_RIDE_CREATED`] when this holder's previous step just committed the ride (the step
-/// that created it handed the ride on: nothing was read or written since its commit), then the
-/// stand-still at [`AFTER_RIDE_LOADED`].
+/// has its ride): a crash at [`AFTER_RIDE_CREATED`] when this holder's previous step just
+/// committed the ride (the step that created it handed the ride on: nothing was read or written
+/// since its commit), then the stand-still at [`AFTER_RIDE_LOADED`].
 pub(crate) async fn charge_step_begins(failpoints: &Failpoints, ride_just_created: bool) {
     if ride_just_created {
         crash(failpoints, AFTER_RIDE_CREATED);
@@ -477,9 +476,9 @@ pub(crate) async fn gateway(failpoints: &Failpoints, crossing: Gateway) {
 /// Seam 3, **before acknowledging** an effect: the stored answer, committed, before it leaves
 /// ([`AFTER_FINISHED`], `handlers::rides`); a receipt, written in the drain's transaction, before
 /// its job is deleted in the same transaction ([`AFTER_RECEIPT_EFFECT`], `worker::outbox`: a
-/// crash there rolls the receipt back with the job's deletion). Whether the caller must stop here as if the
-/// process died (a test armed the point); a configured crash exits the process instead of
-/// returning. Always false in builds without the `failpoints` feature.
+/// crash there rolls the receipt back with the job's deletion). Whether the caller must stop
+/// here as if the process died (a test armed the point); a configured crash exits the process
+/// instead of returning. Always false in builds without the `failpoints` feature.
 pub(crate) fn before_acknowledging(failpoints: &Failpoints, point: &'static str) -> bool {
     failpoints.maybe_crash(point);
     failpoints.fire(point)

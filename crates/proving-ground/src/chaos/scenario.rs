@@ -52,9 +52,9 @@ const FINAL_PASS_LIMIT: Duration = Duration::from_secs(120);
 /// completer's longest backoff (3 s). The longer of the first two, then every other wait in a row:
 /// 25.3 s at the very worst; 30 s leaves room for a loaded machine. Every run prints its final
 /// pass's longest wait without a move (`chaos: final pass: …`): 2.0 s for
-/// `--requests 1000 --seed 42`, 9.3 s with `--failover`, on 2026-12-06; the most in sixty control runs that day 14.4 s
-/// (`--without derived-key`, seed 3). The straddles' key windows (42 s) are over before the calm
-/// phase: [`send`] waits for every straddle to end.
+/// `--requests 1000 --seed 42`, 9.3 s with `--failover`, on 2026-12-06; the most in sixty
+/// control runs that day 14.4 s (`--without derived-key`, seed 3). The straddles' key windows
+/// (42 s) are over before the calm phase: [`send`] waits for every straddle to end.
 const STALL_LIMIT: Duration = Duration::from_secs(30);
 /// The least time left for the receipts after the final pass: a calm worker delivers a few in
 /// well under a second. Also how long the receipts wait with no staged job delivered before they
