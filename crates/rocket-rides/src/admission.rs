@@ -1,5 +1,6 @@
 //! The admission gate: the requests that use the database are admitted as many at once as the
-//! database can serve (`--admission-limit`, the pool's size by default); a request that finds
+//! database can serve (`--admission-limit`: by default the pool's size, or six per CPU where
+//! that is fewer, [`crate::config::ADMISSION_SLOTS_PER_CPU`]); a request that finds
 //! every slot taken waits for one at most `--admission-wait`, then is shed with the 503
 //! `over-capacity` problem and its `Retry-After`.
 //!
@@ -19,7 +20,9 @@
 //! pool's size sheds the bursts of a load below capacity. Here the count is the pool's, and the
 //! short wait absorbs bursts: a burst's queue clears in (its size ÷ bookings per second). The
 //! wait is bounded, so the queue is too: at most the arrivals of one `--admission-wait` wait at
-//! once.
+//! once. On a machine of few cores the processors bind before the pool: past a few bookings at
+//! once per core, each more only shares them, every booking takes longer and no more are
+//! served, so the count is then six per CPU.
 //! `--http-max-in-flight` stays the outer bound of the whole edge.
 //!
 //! # Past capacity, a short wait
@@ -28,7 +31,7 @@
 //! admitted request would first wait nearly the whole `--admission-wait` for its slot (the oldest
 //! waiter gets each slot freed), and the answers' latency would be that wait plus the request.
 //! So a shed tells the gate that its queue stands: for [`OVERLOADED_FOR`] after any shed, a
-//! request that finds no free slot waits at most `--admission-overload-wait` (25 ms by default),
+//! request that finds no free slot waits at most `--admission-overload-wait` (10 ms by default),
 //! and only when that long has passed without a shed does the whole wait come back. Below
 //! capacity nothing is shed and nothing changes (a closed loop of more clients than slots, whose
 //! queue clears within the whole wait, never starts it); past capacity the queue holds a few

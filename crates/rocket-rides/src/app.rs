@@ -79,7 +79,8 @@ pub fn router(state: AppState) -> Router {
 /// - unknown paths and methods answered as problems (404, 405 with `Allow`);
 /// - bodies bounded in size and in the pause between two of their pieces;
 /// - on the routes that use the database, the admission gate: as many at once as the pool
-///   serves, a short bounded wait for a slot, then a shed ([`crate::admission`]);
+///   serves (or six per CPU where fewer), a short bounded wait for a slot, then a shed
+///   ([`crate::admission`]);
 /// - a deadline on the whole request, and a bound on requests in flight past which requests are
 ///   shed at once (503 problems with `Retry-After`, never queued);
 /// - request ids and the request's span, outermost, so that every answer (a shed one too)
