@@ -48,8 +48,10 @@
 //! bring the gate's capacity down to its limit divided by the gateway's time, and shed replays
 //! and reads that need the database for a millisecond behind bookings that use none of it. So
 //! the booking gives its slot back across each gateway call that has not answered within
-//! [`HOLD_THROUGH`] ([`Admitted::away`]) and the handler across a `Prefer: wait`, and each
-//! takes one again after. Taking it again is never a shed,
+//! [`HOLD_THROUGH`] ([`Admitted::away`]), and the handler across a `Prefer: wait` and across a
+//! request body still arriving after as long (a client sending its body slowly, over a bad
+//! link or on purpose, must not hold the database's routes shut), and each takes one again
+//! after. Taking it again is never a shed,
 //! nor a wait: a booking admitted once may have charged meanwhile, its answer must not be a
 //! capacity 503, and finishing a booking already started comes before starting a new one. So
 //! a booking that comes back to no free slot goes on at once on credit (counted as

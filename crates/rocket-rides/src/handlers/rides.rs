@@ -2,8 +2,7 @@
 //! booking detached from the connection, answer.
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{FromRequest, State};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use http::{HeaderMap, Uri};
@@ -49,10 +48,19 @@ pub async fn create(
     RequiredKey(key): RequiredKey,
     headers: HeaderMap,
     admitted: Option<Extension<Admitted>>,
-    body: Result<Bytes, BytesRejection>,
+    body: axum::extract::Request,
 ) -> Result<Response, ApiError> {
     // Everything is validated before the key is claimed: bad input writes no row.
     json_body_headers(&headers)?;
+    let slot = admitted.map(|Extension(slot)| slot);
+    // The body is read last, once the API key, the idempotency key and the headers are known
+    // good, and, when it is slow to arrive, with the request's admission slot given back: a
+    // client sending its body slowly holds no slot of the database's meanwhile.
+    let read = Bytes::from_request(body, &state);
+    let body = match &slot {
+        Some(slot) => slot.away(read).await,
+        None => read.await,
+    };
     let body = body.map_err(|e| match e.status() {
         http::StatusCode::PAYLOAD_TOO_LARGE => ApiError::BodyTooLarge,
         // Cut off, or too slow to arrive (the body-read timeout).
@@ -69,7 +77,6 @@ pub async fn create(
     // service's own bookkeeping: shutdown waits for it, and it holds the request's slot of the
     // admission gate until the booking is done with the database (given back while the
     // gateway or another holder is awaited: `crate::admission`).
-    let slot = admitted.map(|Extension(slot)| slot);
     let task = state.clone().tasks.spawn(
         async move {
             let booking = Arc::new(Booking::admitted(state.clone(), slot.clone()));

@@ -10,6 +10,8 @@ use std::time::Duration;
 use common::{Reply, TestApp, RIDE};
 use rocket_rides::config::HttpArgs;
 use sqlx::{Connection, PgPool};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 /// The gate's slots in these tests.
 const SLOTS: u32 = 2;
@@ -114,6 +116,55 @@ async fn a_duplicate_waiting_with_prefer_wait_holds_no_slot(pool: PgPool) {
     }
     assert_eq!(app.metric("http_requests_shed_total").await, 0.0);
     assert_eq!(app.charges().await, 2, "one charge per key");
+}
+
+#[testdb::test(template = crate::common::migrated)]
+async fn requests_whose_bodies_are_still_arriving_hold_no_slot(pool: PgPool) {
+    let (app, api_key) = gated(pool).await;
+    let (path, done) = booked(&app, &api_key).await;
+    // As many bookings as the gate has slots send their heads and the first bytes of their
+    // bodies, and no more: a slow link, or a client that means to hold the gate.
+    let address = app.base.trim_start_matches("http://").to_owned();
+    let mut trickling = Vec::new();
+    for i in 0..SLOTS {
+        let mut stream = TcpStream::connect(&address).await.unwrap();
+        let head = format!(
+            "POST /rides HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\n\
+             Idempotency-Key: trickle-{i}\r\nContent-Type: application/json\r\n\
+             Content-Length: 200\r\n\r\n{{\"origin"
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        trickling.push(stream);
+    }
+    // Each request that follows, sent after those heads were in, finds a slot: none waits
+    // behind the bodies, and none is shed (with the gate before the body, each would wait the
+    // whole wait and get a 503).
+    for _ in 0..3 {
+        replay_and_read_go_on(&app, &api_key, &path, &done).await;
+    }
+    let more = app.post_ride(Some(&api_key), Some("more"), RIDE).await;
+    assert_eq!(more.status, 201, "{more:?}");
+    assert_eq!(app.metric("http_requests_shed_total").await, 0.0);
+    // A client without a valid API key is refused at once, its body not waited for (the
+    // body-read timeout is 10 s).
+    let mut stranger = TcpStream::connect(&address).await.unwrap();
+    stranger
+        .write_all(
+            b"POST /rides HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n\
+              Idempotency-Key: stranger\r\nContent-Type: application/json\r\n\
+              Content-Length: 200\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+    let mut status = [0u8; 12];
+    tokio::time::timeout(Duration::from_secs(5), stranger.read_exact(&mut status))
+        .await
+        .expect("answered before its body came")
+        .unwrap();
+    assert_eq!(&status, b"HTTP/1.1 401");
+    // The slow bodies never came: their requests wrote nothing.
+    drop(trickling);
+    assert_eq!(app.keys().await, 2, "the two bookings' keys only");
 }
 
 #[testdb::test(template = crate::common::migrated)]
