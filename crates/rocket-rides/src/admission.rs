@@ -48,10 +48,12 @@
 //! bring the gate's capacity down to its limit divided by the gateway's time, and shed replays
 //! and reads that need the database for a millisecond behind bookings that use none of it. So
 //! the booking gives its slot back across each gateway call that has not answered within
-//! [`HOLD_THROUGH`] ([`Admitted::away`]), and the handler across a `Prefer: wait` and across a
-//! request body still arriving after as long (a client sending its body slowly, over a bad
-//! link or on purpose, must not hold the database's routes shut), and each takes one again
-//! after. Taking it again is never a shed,
+//! [`HOLD_THROUGH`] ([`Admitted::away`]) and the handler across a `Prefer: wait`, and each
+//! takes one again after. (A request body still arriving after as long gives its slot back
+//! too, so that clients sending their bodies slowly cannot hold the database's routes shut;
+//! but having written nothing yet, once its body has come and is a valid request, it is
+//! admitted again as a new request is, and may be shed: [`Admitted::give_back_during`],
+//! [`Admitted::admit_again`].) Taking it again is never a shed,
 //! nor a wait: a booking admitted once may have charged meanwhile, its answer must not be a
 //! capacity 503, and finishing a booking already started comes before starting a new one. So
 //! a booking that comes back to no free slot goes on at once on credit (counted as
@@ -140,6 +142,41 @@ impl Admitted {
         let out = work.await;
         self.take_again();
         out
+    }
+
+    /// Runs `work`, which comes before the request writes anything (reading its body): if it
+    /// has not ended within [`HOLD_THROUGH`], with the slot given back, and not taken again: the
+    /// request asks for one with [`Admitted::admit_again`] once it knows it has work for the
+    /// database (a body that fails, or is not a valid request, is answered without a slot).
+    pub async fn give_back_during<T>(&self, work: impl Future<Output = T>) -> T {
+        let mut work = std::pin::pin!(work);
+        if let Ok(out) = tokio::time::timeout(HOLD_THROUGH, &mut work).await {
+            return out;
+        }
+        self.give_back();
+        work.await
+    }
+
+    /// After [`Admitted::give_back_during`], asks for a slot as a new request does: it waits at
+    /// most the gate's wait, and past it is shed (`false`, counted). Nothing was written, so the
+    /// shed's retry is a first attempt; and a client cannot pass the gate's count by sending its
+    /// body slowly, as it could on credit. A slot still held is kept (`true` at once).
+    pub async fn admit_again(&self) -> bool {
+        if !matches!(*self.held(), Held::Away) {
+            return true;
+        }
+        let gate = &self.0.gate;
+        let Some(permit) = gate.admit().await else {
+            gate.metrics.request_shed();
+            return false;
+        };
+        let mut held = self.held();
+        match *held {
+            Held::Away => *held = Held::Slot(permit),
+            // Another clone took one meanwhile (none does before the first write): keep it.
+            Held::Slot(_) | Held::Credit => drop(permit),
+        }
+        true
     }
 
     /// Gives the slot back, if held, for as long as the request uses no pooled connection.

@@ -255,8 +255,10 @@ pub struct HttpArgs {
     /// for no more bookings per second). A request that finds every slot
     /// taken waits at most --admission-wait, then gets 503 with `Retry-After`; it has written
     /// nothing. A booking gives its slot back while it waits on the gateway (past 20 ms) or on
-    /// another request (`Prefer: wait`), and takes one again after, at once and never shed. A
-    /// limit at or above --http-max-in-flight leaves only that bound.
+    /// another request (`Prefer: wait`), and takes one again after, at once and never shed; a
+    /// request whose body is still arriving after 20 ms gives it back too, and asks for one
+    /// again like a new request once the body is in. A limit at or above --http-max-in-flight
+    /// leaves only that bound.
     #[arg(long, env = "ADMISSION_LIMIT",
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub admission_limit: Option<u32>,

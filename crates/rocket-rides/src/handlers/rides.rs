@@ -58,7 +58,7 @@ pub async fn create(
     // client sending its body slowly holds no slot of the database's meanwhile.
     let read = Bytes::from_request(body, &state);
     let body = match &slot {
-        Some(slot) => slot.away(read).await,
+        Some(slot) => slot.give_back_during(read).await,
         None => read.await,
     };
     let body = body.map_err(|e| match e.status() {
@@ -71,6 +71,13 @@ pub async fn create(
         BodyError::Invalid(errors) => ApiError::Validation(errors),
     })?;
     let params = serde_json::to_value(&request).map_err(|e| ApiError::Internal(e.to_string()))?;
+    // A valid booking whose slot was given back while its body came asks for one again, as a
+    // new request does: it has written nothing, and may be shed.
+    if let Some(slot) = &slot {
+        if !slot.admit_again().await {
+            return Err(ApiError::OverCapacity);
+        }
+    }
     let deadline = wait_preference(&headers, DEFAULT_MAX_WAIT).map(|wait| Instant::now() + wait);
     let owner = Owner::from(user.id);
     // The library runs the booking detached from this connection; the task here is the

@@ -137,8 +137,8 @@ async fn requests_whose_bodies_are_still_arriving_hold_no_slot(pool: PgPool) {
         trickling.push(stream);
     }
     // Each request that follows, sent after those heads were in, finds a slot: none waits
-    // behind the bodies, and none is shed (with the gate before the body, each would wait the
-    // whole wait and get a 503).
+    // behind the bodies, and none is shed (were a slot kept while its body arrives, each would
+    // wait the whole wait and get a 503).
     for _ in 0..3 {
         replay_and_read_go_on(&app, &api_key, &path, &done).await;
     }
@@ -165,6 +165,76 @@ async fn requests_whose_bodies_are_still_arriving_hold_no_slot(pool: PgPool) {
     // The slow bodies never came: their requests wrote nothing.
     drop(trickling);
     assert_eq!(app.keys().await, 2, "the two bookings' keys only");
+}
+
+#[testdb::test(template = crate::common::migrated)]
+async fn a_slow_body_is_admitted_again_as_a_new_request_and_shed_past_the_wait(pool: PgPool) {
+    let (app, api_key) = gated(pool.clone()).await;
+    let (other_id, other_key) = app.user("other@example.com", "tok_visa").await;
+    // A booking sends its head and the start of its body: admitted, it gives its slot back
+    // while the rest is awaited.
+    let address = app.base.trim_start_matches("http://").to_owned();
+    let mut slow = TcpStream::connect(&address).await.unwrap();
+    let head = format!(
+        "POST /rides HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Authorization: Bearer {api_key}\r\nIdempotency-Key: slow\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+        RIDE.len(),
+        &RIDE[..5]
+    );
+    slow.write_all(head.as_bytes()).await.unwrap();
+    // And another, whose body will turn out not to be JSON.
+    let mut bad = TcpStream::connect(&address).await.unwrap();
+    bad.write_all(head.replace("slow", "bad").as_bytes())
+        .await
+        .unwrap();
+    // Both slots are then taken, and kept: the other rider's bookings, stopped at their ride's
+    // insert behind a lock this test holds. Both get in only if the slow one gave its slot back.
+    let lock = RiderLock::take(&pool, other_id).await;
+    let blocked: Vec<_> = (0..SLOTS)
+        .map(|i| app.spawn_booking(&other_key, &format!("blocked-{i}"), false))
+        .collect();
+    lock.until_waited_on(&app, SLOTS as usize, &blocked).await;
+    // The rest of the body comes. The request has written nothing yet: it asks for a slot as a
+    // new request does, finds none within the wait, and is shed, not let in on credit past the
+    // gate's count.
+    slow.write_all(&RIDE.as_bytes()[5..]).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), slow.read_to_end(&mut answer))
+        .await
+        .expect("answered and closed")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("over-capacity"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("retry-after: 1"),
+        "{answer}"
+    );
+    // A body that fails is answered with its failure at once, not shed: it needs no slot.
+    bad.write_all("x".repeat(RIDE.len() - 5).as_bytes())
+        .await
+        .unwrap();
+    let mut refused = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), bad.read_to_end(&mut refused))
+        .await
+        .expect("answered and closed")
+        .unwrap();
+    let refused = String::from_utf8_lossy(&refused);
+    assert!(refused.starts_with("HTTP/1.1 400"), "{refused}");
+    assert_eq!(app.metric("http_admission_overdrawn_total").await, 0.0);
+    assert_eq!(app.metric("http_requests_shed_total").await, 1.0);
+
+    lock.release().await;
+    for booking in blocked {
+        let reply = booking.await.unwrap();
+        assert_eq!(reply.status, 201, "{reply:?}");
+    }
+    // The shed booking wrote nothing: its retry is a first attempt, and books.
+    assert_eq!(app.keys().await, i64::from(SLOTS));
+    let retry = app.post_ride(Some(&api_key), Some("slow"), RIDE).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.replayed(), "{retry:?}");
 }
 
 #[testdb::test(template = crate::common::migrated)]
