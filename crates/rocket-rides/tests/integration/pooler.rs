@@ -502,108 +502,192 @@ async fn migrate_through_a_transaction_pooler_refuses_and_writes_nothing(pool: P
     assert!(again.status.success(), "{again:?}");
 }
 
-/// Every statement of the service's source, each `sqlx::query…(` up to its `.fetch…(` or
-/// `.execute(`: (file, line, the chain).
-fn statements_in(dir: &std::path::Path, found: &mut Vec<(String, usize, String)>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            statements_in(&path, found);
-            continue;
-        }
-        if path.extension().is_none_or(|e| e != "rs") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&path).unwrap();
-        for (at, _) in text.match_indices("sqlx::query") {
-            let rest = &text[at..];
-            let end = [".fetch", ".execute("]
-                .iter()
-                .filter_map(|end| rest.find(end))
-                .min()
-                .unwrap_or(rest.len());
-            // The executor too: up to the end of its call.
-            let end = rest[end..].find(')').map_or(rest.len(), |e| end + e + 1);
-            let line = text[..at].lines().count() + 1;
-            found.push((path.display().to_string(), line, rest[..end].to_owned()));
+/// The `.rs` files under the service's `src`: (path, text).
+fn service_sources() -> Vec<(String, String)> {
+    fn walk(dir: &std::path::Path, files: &mut Vec<(String, String)>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, files);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                files.push((path.display().to_string(), text));
+            }
         }
     }
+    let mut files = Vec::new();
+    walk(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &mut files,
+    );
+    files
+}
+
+/// What the source scan found in one file's text.
+#[derive(Default, Debug)]
+struct Scan {
+    /// Each `sqlx::query…(`, up to its `.fetch…(` or `.execute(` and its executor.
+    statements: Vec<(usize, String)>,
+    /// Each `pg` made: the connection a wrapper of the store wraps.
+    wrapped: Vec<(usize, String)>,
+    /// What breaks the rule: (line, why).
+    refused: Vec<(usize, String)>,
+}
+
+/// The forms a `pg` may wrap: a transaction or a connection, never the pool (a statement alone
+/// on the pool is outside a transaction, which behind a transaction pooler can run another
+/// client's SQL). A new form is refused until it is added here with its reason.
+const WRAPPED_CONNECTIONS: &[&str] = &[
+    "step.tx().await?",
+    "&mut *tx",
+    "&mut *conn",
+    "conn",
+    "conn.conn()",
+    "db.conn()",
+    "phase.conn()",
+];
+
+/// The text of a call's arguments, from just after its `(` in `rest` to the parenthesis that
+/// closes it.
+fn arguments(rest: &str) -> &str {
+    let mut depth = 1;
+    let end = rest
+        .char_indices()
+        .find_map(|(i, c)| {
+            depth += match c {
+                '(' => 1,
+                ')' => -1,
+                _ => 0,
+            };
+            (depth == 0).then_some(i)
+        })
+        .unwrap_or(rest.len());
+    &rest[..end]
+}
+
+/// Scans one file's text: every statement must be sent through a `pg`, every `pg` made by a
+/// wrapper of the store around a connection (`Store::statements_on`, or `Statements::Unnamed.on`
+/// for the migration-time statements on a direct connection) or taken as a `&mut Pg`, and no
+/// other name of sqlx's statement builders may be used (an import of `query`, `QueryBuilder`,
+/// `raw_sql`), since the statements are found by `sqlx::query`.
+fn scan(text: &str) -> Scan {
+    let line_of = |at: usize| text[..at].lines().count() + 1;
+    let mut found = Scan::default();
+    for (at, _) in text.match_indices("sqlx::query") {
+        let rest = &text[at..];
+        let end = [".fetch", ".execute("]
+            .iter()
+            .filter_map(|end| rest.find(end))
+            .min()
+            .unwrap_or(rest.len());
+        // The executor too: up to the end of its call.
+        let end = rest[end..].find(')').map_or(rest.len(), |e| end + e + 1);
+        let chain = rest[..end].to_owned();
+        let through_pg = ["(pg)", "(&mut pg)", "(&mut *pg)"]
+            .iter()
+            .any(|executor| chain.ends_with(executor));
+        if !through_pg {
+            found.refused.push((
+                line_of(at),
+                format!("not sent through a pg (Store::statements_on): {chain}"),
+            ));
+        }
+        found.statements.push((line_of(at), chain));
+    }
+    for wrapper in ["statements_on(", "Statements::Unnamed.on("] {
+        for (at, call) in text.match_indices(wrapper) {
+            if text[..at].ends_with("fn ") {
+                continue;
+            }
+            let wrapped = arguments(&text[at + call.len()..]).trim().to_owned();
+            if !WRAPPED_CONNECTIONS.contains(&wrapped.as_str()) {
+                found.refused.push((
+                    line_of(at),
+                    format!("wraps what is not a known connection or transaction: {wrapped}"),
+                ));
+            }
+            found.wrapped.push((line_of(at), wrapped));
+        }
+    }
+    for (at, _) in text.match_indices("pg: ") {
+        let typed = &text[at + "pg: ".len()..];
+        if !typed.starts_with("&mut Pg<") {
+            let shown: String = typed.chars().take(30).collect();
+            found.refused.push((
+                line_of(at),
+                format!("a pg taken as something else than &mut Pg: {shown}"),
+            ));
+        }
+    }
+    for (index, line) in text.lines().enumerate() {
+        let line = line.trim_start();
+        let other_name = line.starts_with("use sqlx::")
+            && ["query", "QueryBuilder", "raw_sql"]
+                .iter()
+                .any(|name| line.contains(name));
+        let builder = ["QueryBuilder", "raw_sql("]
+            .iter()
+            .any(|name| line.contains(name));
+        if !line.starts_with("//") && (other_name || builder) {
+            found.refused.push((
+                index + 1,
+                format!("a statement the scan cannot follow: {line}"),
+            ));
+        }
+    }
+    found
 }
 
 /// The source of the claim above: each statement of the service is sent through a `pg`
 /// (`rocket_rides::db::Pg`, a connection wrapped once by `Store::statements_on`, so that it is
 /// unnamed when the store's are, or by `Statements::Unnamed.on` for the migration-time
-/// statements on a direct connection), and no wrapper of the store wraps the pool (a statement
-/// alone on the pool is outside a transaction, which behind a transaction pooler can run
-/// another client's SQL). A statement added otherwise fails here, whether or not the load
-/// above reaches it.
+/// statements on a direct connection), and no `pg` wraps the pool. A statement added otherwise
+/// fails here, whether or not the load above reaches it; the scan's own refusals are tried on
+/// made-up sources below.
 #[test]
 fn every_statement_of_the_service_follows_the_store() {
-    let mut found = Vec::new();
-    statements_in(
-        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
-        &mut found,
-    );
-    assert!(
-        found.len() >= 20,
-        "the scan finds the statements: {found:?}"
-    );
-    for (file, line, chain) in &found {
-        let through_pg = ["(pg)", "(&mut pg)", "(&mut *pg)"]
-            .iter()
-            .any(|executor| chain.ends_with(executor));
-        assert!(
-            through_pg,
-            "{file}:{line} is not sent through a pg (Store::statements_on): {chain}"
+    let (mut statements, mut wrapped, mut refused) = (0, 0, Vec::new());
+    for (file, text) in service_sources() {
+        let found = scan(&text);
+        statements += found.statements.len();
+        wrapped += found.wrapped.len();
+        refused.extend(
+            found
+                .refused
+                .into_iter()
+                .map(|(line, why)| format!("{file}:{line} {why}")),
         );
     }
-    let mut wrapped = Vec::new();
-    wrappers_in(
-        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
-        &mut wrapped,
-    );
     assert!(
-        wrapped.len() >= 10,
-        "the scan finds the wrappers: {wrapped:?}"
+        statements >= 20,
+        "the scan finds the statements: {statements}"
     );
-    for (file, line, executor) in &wrapped {
-        assert!(
-            !executor.contains("pool"),
-            "{file}:{line} wraps the pool, where a statement stands alone: {executor}"
-        );
-    }
+    assert!(wrapped >= 10, "the scan finds the wrappers: {wrapped}");
+    assert!(refused.is_empty(), "{refused:#?}");
 }
 
-/// Every `statements_on(…)` of the service's source: (file, line, its argument).
-fn wrappers_in(dir: &std::path::Path, found: &mut Vec<(String, usize, String)>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            wrappers_in(&path, found);
-            continue;
-        }
-        if path.extension().is_none_or(|e| e != "rs") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&path).unwrap();
-        for (at, call) in text.match_indices("statements_on(") {
-            let rest = &text[at + call.len()..];
-            // Up to the parenthesis that closes the call.
-            let mut depth = 1;
-            let end = rest
-                .char_indices()
-                .find_map(|(i, c)| {
-                    depth += match c {
-                        '(' => 1,
-                        ')' => -1,
-                        _ => 0,
-                    };
-                    (depth == 0).then_some(i)
-                })
-                .unwrap_or(rest.len());
-            let line = text[..at].lines().count() + 1;
-            found.push((path.display().to_string(), line, rest[..end].to_owned()));
-        }
+#[test]
+fn the_source_scan_refuses_every_way_around_the_store() {
+    let through_pg = "fn f(pg: &mut Pg<'_>) { sqlx::query(\"SELECT 1\").execute(&mut *pg) }";
+    let wrapped = "let mut pg = state.store.statements_on(db.conn());";
+    for good in [through_pg, wrapped] {
+        let found = scan(good);
+        assert!(found.refused.is_empty(), "{good}: {:?}", found.refused);
+    }
+    for bad in [
+        // On the pool, or another executor.
+        "sqlx::query(\"SELECT 1\").execute(&state.pool)",
+        // Another name for sqlx's statements, which the scan would not find.
+        "use sqlx::query;\nquery(\"SELECT 1\").execute(&state.pool)",
+        "use sqlx::{query_as, PgPool};",
+        "let mut b = sqlx::QueryBuilder::new(\"SELECT \");",
+        "sqlx::raw_sql(\"SELECT 1\").execute(&state.pool)",
+        // A pg that is the pool in disguise.
+        "fn f(pg: &PgPool) { sqlx::query(\"SELECT 1\").execute(pg) }",
+        "let mut pg = state.store.statements_on(&state.db);",
+        "let mut pg = Statements::Unnamed.on(&state.pool);",
+    ] {
+        assert!(!scan(bad).refused.is_empty(), "not refused: {bad}");
     }
 }
 
