@@ -134,12 +134,8 @@ impl Admitted {
     /// ([`Admitted::take_again`]). Dropped half-way (the booking given up), the slot simply
     /// stays given back.
     pub async fn away<T>(&self, work: impl Future<Output = T>) -> T {
-        let mut work = std::pin::pin!(work);
-        if let Ok(out) = tokio::time::timeout(HOLD_THROUGH, &mut work).await {
-            return out;
-        }
-        self.give_back();
-        let out = work.await;
+        let out = self.give_back_during(work).await;
+        // A no-op when the work ended within the hold and the slot was kept.
         self.take_again();
         out
     }
@@ -165,9 +161,7 @@ impl Admitted {
         if !matches!(*self.held(), Held::Away) {
             return true;
         }
-        let gate = &self.0.gate;
-        let Some(permit) = gate.admit().await else {
-            gate.metrics.request_shed();
+        let Some(permit) = self.0.gate.admit().await else {
             return false;
         };
         let mut held = self.held();
@@ -288,7 +282,6 @@ where
         let gate = self.gate.clone();
         Box::pin(async move {
             let Some(permit) = gate.admit().await else {
-                gate.metrics.request_shed();
                 return Ok(ApiError::OverCapacity.into_response());
             };
             let admitted = Admitted(Arc::new(Slot {
@@ -325,7 +318,7 @@ impl AdmissionLayer {
     }
 
     /// A slot: at once when one is free, else the first freed within the wait (the semaphore
-    /// hands slots out in arrival order), else none, and the shed is remembered.
+    /// hands slots out in arrival order), else none: the shed is remembered and counted.
     async fn admit(&self) -> Option<OwnedSemaphorePermit> {
         if let Ok(permit) = self.slots.clone().try_acquire_owned() {
             return Some(permit);
@@ -342,6 +335,7 @@ impl AdmissionLayer {
         };
         if permit.is_none() {
             *self.last_shed() = Some(Instant::now());
+            self.metrics.request_shed();
         }
         permit
     }

@@ -167,6 +167,18 @@ async fn requests_whose_bodies_are_still_arriving_hold_no_slot(pool: PgPool) {
     assert_eq!(app.keys().await, 2, "the two bookings' keys only");
 }
 
+/// Sends the `rest` of a raw request sent with `Connection: close`; its answer, once the server
+/// closed the connection (within 5 s).
+async fn finish(stream: &mut TcpStream, rest: &[u8]) -> String {
+    stream.write_all(rest).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer))
+        .await
+        .expect("answered and closed")
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 #[testdb::test(template = crate::common::migrated)]
 async fn a_slow_body_is_admitted_again_as_a_new_request_and_shed_past_the_wait(pool: PgPool) {
     let (app, api_key) = gated(pool.clone()).await;
@@ -198,13 +210,7 @@ async fn a_slow_body_is_admitted_again_as_a_new_request_and_shed_past_the_wait(p
     // The rest of the body comes. The request has written nothing yet: it asks for a slot as a
     // new request does, finds none within the wait, and is shed, not let in on credit past the
     // gate's count.
-    slow.write_all(&RIDE.as_bytes()[5..]).await.unwrap();
-    let mut answer = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), slow.read_to_end(&mut answer))
-        .await
-        .expect("answered and closed")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = finish(&mut slow, &RIDE.as_bytes()[5..]).await;
     assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     assert!(answer.contains("over-capacity"), "{answer}");
     assert!(
@@ -212,15 +218,7 @@ async fn a_slow_body_is_admitted_again_as_a_new_request_and_shed_past_the_wait(p
         "{answer}"
     );
     // A body that fails is answered with its failure at once, not shed: it needs no slot.
-    bad.write_all("x".repeat(RIDE.len() - 5).as_bytes())
-        .await
-        .unwrap();
-    let mut refused = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), bad.read_to_end(&mut refused))
-        .await
-        .expect("answered and closed")
-        .unwrap();
-    let refused = String::from_utf8_lossy(&refused);
+    let refused = finish(&mut bad, "x".repeat(RIDE.len() - 5).as_bytes()).await;
     assert!(refused.starts_with("HTTP/1.1 400"), "{refused}");
     assert_eq!(app.metric("http_admission_overdrawn_total").await, 0.0);
     assert_eq!(app.metric("http_requests_shed_total").await, 1.0);
